@@ -1,0 +1,1 @@
+"""Linnet: fully sharded fine-tuning of Llama-family models."""

@@ -1,0 +1,106 @@
+"""The parsed form of an architecture program: declarations and functions.
+
+Function bodies stay as `ast` nodes; the checker types them and the emitters
+translate them. Nothing here is ever executed."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+from linnet.cardlang.types import Dim
+
+# Names the emitted modules define or their callers inject, and the suffix of
+# the local that holds a group's weights: a card's own names may not use them.
+RESERVED = frozenset({"params", "gather", "checkpointed", "torch", "F", "math", "jax", "jnp", "np"})
+RESERVED_SUFFIX = "_weights"
+
+
+@dataclass(frozen=True)
+class DimDecl:
+    name: str
+    config_key: str | None  # None: a generic, bound at load
+    line: int
+
+
+@dataclass(frozen=True)
+class ConstDecl:
+    name: str
+    config_key: str
+    line: int
+
+
+@dataclass(frozen=True)
+class DtypeDecl:
+    name: str
+    line: int
+
+
+@dataclass(frozen=True)
+class WeightDecl:
+    name: str  # the field name in its group
+    dims: tuple[Dim, ...]
+    checkpoint_name: str  # Hugging Face name; "{i}" is the layer index in a repeated group
+    init: str  # "normal" or "ones": what random initialisation draws
+    tied_to: tuple[str, str] | None  # (group, field) this weight is when tied
+    tied_if: str | None  # the constant that says whether it is tied
+    line: int
+
+
+@dataclass(frozen=True)
+class GroupDecl:
+    name: str
+    repeat: Dim | None  # a repeated group (the layers) or a single one
+    weights: tuple[WeightDecl, ...]
+    line: int
+
+    @property
+    def key(self) -> str:
+        """Where the group's weights live in a model's parameters."""
+        snake = "".join("_" + c.lower() if c.isupper() else c for c in self.name).lstrip("_")
+        return snake + "s" if self.repeat is not None else snake
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: object
+    line: int
+
+
+@dataclass
+class FunctionDecl:
+    name: str
+    params: list[Param]
+    returns: object
+    body: list[ast.stmt]
+    entry: bool
+    line: int
+
+
+@dataclass
+class Program:
+    """One architecture program (a family, e.g. Llama)."""
+
+    path: str
+    dims: dict[str, DimDecl] = field(default_factory=dict)
+    consts: dict[str, ConstDecl] = field(default_factory=dict)
+    dtypes: dict[str, DtypeDecl] = field(default_factory=dict)
+    groups: dict[str, GroupDecl] = field(default_factory=dict)
+    functions: dict[str, FunctionDecl] = field(default_factory=dict)
+
+    @property
+    def generic_dims(self) -> list[str]:
+        return [d.name for d in self.dims.values() if d.config_key is None]
+
+    @property
+    def entries(self) -> list[str]:
+        return [f.name for f in self.functions.values() if f.entry]
+
+    @property
+    def compute_dtype(self) -> str:
+        """The generic dtype weights are computed in (a card declares exactly one)."""
+        return next(iter(self.dtypes))
+
+    def declared(self, name: str) -> bool:
+        return any(name in table for table in (self.dims, self.consts, self.dtypes, self.groups, self.functions))

@@ -1,0 +1,1 @@
+"""Code generators: PyTorch and JAX source from a checked card."""

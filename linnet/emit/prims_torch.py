@@ -1,0 +1,127 @@
+"""PyTorch implementations of the card primitives, for both numerics.
+
+The emitter copies the source of the functions a card uses into the generated
+module, so each must stand alone (torch, F and math only). `EXACT` follows
+Hugging Face transformers' computation order (the parity reference); `FAST`
+swaps in fused kernels where the order may change."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def embedding(tokens, table):
+    return F.embedding(tokens, table)
+
+
+def rms_norm(x, weight, eps):
+    # As transformers: normalise in f32, cast back, then scale.
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def linear(x, weight):
+    return F.linear(x, weight)
+
+
+def split_heads(x, heads):
+    batch, seq, width = x.shape
+    return x.view(batch, seq, heads, width // heads).transpose(1, 2)  # (B, H, S, Dh)
+
+
+def merge_heads(x):
+    batch, heads, seq, head_dim = x.shape
+    return x.transpose(1, 2).reshape(batch, seq, heads * head_dim)  # (B, S, H * Dh)
+
+
+def rope(positions, head_dim, theta, scaling):
+    # The inverse frequencies as transformers computes them (on the CPU, in
+    # f32), so that the angles agree to the last bit.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling["rope_type"] == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        context = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif scaling["rope_type"] != "default":
+        raise ValueError(f"rope_scaling type {scaling['rope_type']!r} is not supported: expected llama3 or default")
+    angles = positions.float()[:, :, None] * inv_freq.to(positions.device)  # (B, S, Dh / 2)
+    angles = torch.cat((angles, angles), dim=-1)  # (B, S, Dh)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x, cos, sin):
+    # As transformers: the f32 tables are cast to x's dtype first.
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype)[:, None] + rotated * sin.to(x.dtype)[:, None]  # (B, H, S, Dh)
+
+
+def attention_exact(q, k, v, mask):
+    # As transformers' eager attention: scores in T, softmax in f32.
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)  # (B, H, S, Dh)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5  # (B, H, S, S)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)  # (B, H, S, Dh)
+
+
+def attention_fast(q, k, v, mask):
+    # mask None is plain causal attention, which fused kernels do without a mask.
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def silu(x):
+    return F.silu(x)
+
+
+def arange_positions(tokens):
+    return torch.arange(tokens.shape[1], dtype=torch.int32, device=tokens.device).expand_as(tokens)
+
+
+def causal_mask_exact(tokens):
+    seq = tokens.shape[1]
+    return torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()[None, None]  # (1, 1, S, S)
+
+
+def causal_mask_fast(tokens):
+    return None
+
+
+def document_mask(segments):
+    seq = segments.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
+    same_document = segments[:, :, None] == segments[:, None, :]  # (B, S, S)
+    return (same_document & causal)[:, None]  # (B, 1, S, S)
+
+
+def to_f32(x):
+    return x.float()
+
+
+def cross_entropy(hidden, head, targets, weights):
+    # As transformers: logits upcast to f32; the mean is over the weight.
+    logits = F.linear(hidden, head).float()  # (B, S, Vocab)
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten().long(), reduction="none")
+    weights = weights.flatten()
+    return (losses * weights).sum() / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+_SHARED = {
+    f.__name__: f
+    for f in (embedding, rms_norm, linear, split_heads, merge_heads, rope, rotate, silu,
+              arange_positions, document_mask, to_f32, cross_entropy)
+}
+EXACT = {**_SHARED, "attention": attention_exact, "causal_mask": causal_mask_exact}
+FAST = {**_SHARED, "attention": attention_fast, "causal_mask": causal_mask_fast}

@@ -1,0 +1,1 @@
+"""Linnet for JAX: cards loaded as generated jax.numpy."""

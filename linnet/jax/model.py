@@ -1,0 +1,42 @@
+"""A card loaded for JAX (`backend="jax_source"`): the generated jax.numpy
+functions, each taking `(params, *inputs)` and jitted, and the weights as a
+pytree (`model.params`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linnet.emit.jax_backend import JAX
+from linnet.model import LoadedModel
+
+JAX_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+class JaxModel(LoadedModel):
+    backend = JAX
+
+    def __init__(self, card, checked, *, generics, numerics, cast_dtype, entries):
+        compute = JAX_DTYPES[generics[checked.program.compute_dtype]]
+        self.weight_dtype = jnp.float32 if cast_dtype else compute
+        super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
+
+    def _compile(self, function):
+        return jax.jit(function)
+
+    def _convert(self, tensor):
+        return jnp.asarray(tensor.float().numpy(), dtype=self.weight_dtype)
+
+    def _random_drawer(self, seed: int):
+        rng = np.random.default_rng(seed)
+
+        def draw(spec, std):
+            if spec.init == "ones":
+                return jnp.ones(spec.shape, self.weight_dtype)
+            return jnp.asarray(rng.normal(0.0, std, spec.shape).astype(np.float32), dtype=self.weight_dtype)
+
+        return draw
+
+    def _kind(self, array) -> str:
+        return "float" if jnp.issubdtype(array.dtype, jnp.floating) else "int"

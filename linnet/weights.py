@@ -1,0 +1,142 @@
+"""Weights under Hugging Face names: where they are, what must be there, and
+reading them one tensor at a time.
+
+A checkpoint is a folder of SafeTensors files (one `model.safetensors`, or
+shards listed by `model.safetensors.index.json`), given explicitly, or found
+in the local Hugging Face cache for the card's repo id without a network call.
+Every name and shape is checked from the files' headers before any tensor is
+read, so a wrong checkpoint fails at once and says what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from linnet.cardlang.check import Checked
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One tensor of a model: where it lives in `params` and in a checkpoint."""
+
+    group: str  # the group's key in params ("embedding", "layers", "head")
+    index: int | None  # the layer, in a repeated group
+    name: str  # the weight's name in its group
+    checkpoint_name: str
+    shape: tuple[int, ...]
+    init: str  # "normal" or "ones"
+
+
+def weight_specs(checked: Checked) -> list[WeightSpec]:
+    """Every tensor the model owns, in checkpoint order; tied weights appear once."""
+    specs = []
+    for group in checked.program.groups.values():
+        indices = [None] if group.repeat is None else range(checked.repeat(group.name))
+        for index in indices:
+            for weight in group.weights:
+                if checked.is_tied(weight):
+                    continue
+                name = weight.checkpoint_name.format(i=index) if index is not None else weight.checkpoint_name
+                specs.append(WeightSpec(group.key, index, weight.name, name, checked.weight_shape(weight), weight.init))
+    return specs
+
+
+def tied_names(checked: Checked) -> dict[str, str]:
+    """Checkpoint names of tied weights -> the name of the weight they are."""
+    groups = checked.program.groups
+    out = {}
+    for group in groups.values():
+        for weight in group.weights:
+            if checked.is_tied(weight):
+                target_group, target = weight.tied_to
+                out[weight.checkpoint_name] = next(w for w in groups[target_group].weights if w.name == target).checkpoint_name
+    return out
+
+
+def locate(repo_or_folder: str | os.PathLike) -> Path:
+    """A folder holding a checkpoint: the path itself, or the HF cache's snapshot of a repo id."""
+    path = Path(repo_or_folder)
+    if path.is_dir():
+        return path
+    if path.suffix == ".safetensors" and path.is_file():
+        return path.parent
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(repo_or_folder), local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as error:
+        raise FileNotFoundError(
+            f"no weights for {str(repo_or_folder)!r}: it is neither a folder nor a repo in the local Hugging Face "
+            f"cache ({error.__class__.__name__}). Download it first (`huggingface-cli download {repo_or_folder}`), "
+            f"pass weights=<folder>, or weights='random' for random weights."
+        ) from None
+
+
+def checkpoint_files(folder: Path) -> dict[str, Path]:
+    """Each tensor name in the checkpoint -> the file that holds it."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: folder / file for name, file in weight_map.items()}
+        absent = sorted({str(f) for f in files.values() if not f.exists()})
+        if absent:
+            raise FileNotFoundError(f"{index} lists shards that are not there: {', '.join(absent)}")
+        return files
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no SafeTensors files (*.safetensors or model.safetensors.index.json) in {folder}")
+    from safetensors import safe_open
+
+    files = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                files[name] = shard
+    return files
+
+
+def check_checkpoint(checked: Checked, files: dict[str, Path]) -> list[WeightSpec]:
+    """Names and shapes against the card, from the headers; raises naming every difference."""
+    from safetensors import safe_open
+
+    specs = weight_specs(checked)
+    expected = {s.checkpoint_name for s in specs}
+    ignorable = set(tied_names(checked))  # some checkpoints store a tied head anyway
+    missing = sorted(expected - set(files))
+    extra = sorted(set(files) - expected - ignorable)
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        problems.append(f"not in the card {len(extra)}: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
+    by_file: dict[Path, list[WeightSpec]] = {}
+    for spec in specs:
+        if spec.checkpoint_name in files:
+            by_file.setdefault(files[spec.checkpoint_name], []).append(spec)
+    for file, file_specs in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for spec in file_specs:
+                shape = tuple(f.get_slice(spec.checkpoint_name).get_shape())
+                if shape != spec.shape:
+                    problems.append(f"{spec.checkpoint_name} has shape {shape} in {file.name}, the card expects {spec.shape}")
+    if problems:
+        folder = next(iter(files.values())).parent
+        raise ValueError(f"the checkpoint in {folder} does not match card {checked.program.path}:\n  " + "\n  ".join(problems))
+    return specs
+
+
+def read_tensors(specs: list[WeightSpec], files: dict[str, Path], device: str = "cpu") -> Iterator[tuple[WeightSpec, object]]:
+    """Each spec with its tensor, one file open at a time, straight onto `device`."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[WeightSpec]] = {}
+    for spec in specs:
+        by_file.setdefault(files[spec.checkpoint_name], []).append(spec)
+    for file, file_specs in by_file.items():
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for spec in file_specs:
+                yield spec, f.get_tensor(spec.checkpoint_name)
