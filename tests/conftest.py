@@ -1,0 +1,9 @@
+"""Test settings: the tests folder is importable (its helpers), warnings stay quiet."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,57 @@
+"""Generated source for every shipped card, both backends, emitted without weights."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from linnet import cards
+from linnet.cli import main
+from linnet.emit.jax_backend import JAX
+from linnet.emit.source import emit
+from linnet.emit.torch_backend import TORCH
+
+GENERICS = {"Batch": 1, "MaxSeq": 4096, "T": "bf16"}
+
+
+@pytest.mark.parametrize("name", cards.shipped())
+@pytest.mark.parametrize("backend", [TORCH, JAX], ids=["torch", "jax"])
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "sharded"])
+def test_source_of_every_card_compiles(name, backend, numerics, sharded):
+    card = cards.resolve(name)
+    source = emit(card.checked(), backend, card_name=name, generics=GENERICS, numerics=numerics,
+                  cast_dtype=True, sharded=sharded)
+    compile(source, f"<{name}>", "exec")
+    tree = ast.parse(source)
+    defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert {"logits", "loss", "loss_packed", "decoder_layer"} <= defined
+    assert ("gather(" in source) == sharded and ("checkpointed(" in source) == sharded
+    assert f"Layers = {card.config['num_hidden_layers']}" in source
+
+
+def test_tied_head_reads_the_embedding():
+    tied = emit(cards.resolve("llama-3.2-1b").checked(), TORCH, card_name="1b", generics=GENERICS,
+                numerics="exact", cast_dtype=False, entries=["logits"])
+    untied = emit(cards.resolve("llama-3.1-8b").checked(), TORCH, card_name="8b", generics=GENERICS,
+                  numerics="exact", cast_dtype=False, entries=["logits"])
+    assert "embedding_weights['embed_tokens']))" in tied and "lm_head" not in tied
+    assert "head_weights['lm_head']))" in untied
+
+
+def test_one_entry_emits_only_what_it_needs():
+    source = emit(cards.resolve("tiny-llama").checked(), TORCH, card_name="tiny", generics=GENERICS,
+                  numerics="fast", cast_dtype=True, entries=["logits"])
+    assert "def logits(" in source and "def loss(" not in source and "def cross_entropy(" not in source
+
+
+def test_cli_prints_cards_and_source(capsys):
+    assert main(["cards"]) == 0
+    listed = capsys.readouterr().out
+    assert "llama-3.1-8b-instruct" in listed and "meta-llama/Llama-3.1-8B-Instruct" in listed
+    assert main(["torch", "llama-3.2-1b", "--entry", "loss_packed", "--generic", "MaxSeq=128", "--numerics", "fast"]) == 0
+    source = capsys.readouterr().out
+    assert "MaxSeq = 128" in source and "def loss_packed(params, tokens, targets, positions, segments, weights):" in source
+    assert main(["jax", "tiny-llama", "--fully-shard"]) == 0
+    assert "gather(params['embedding'], 'Embedding')" in capsys.readouterr().out
