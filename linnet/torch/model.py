@@ -21,6 +21,7 @@ class TorchModel(LoadedModel):
     def __init__(self, card, checked, *, generics, numerics, cast_dtype, trainable: bool, compile: str | None,
                  device: torch.device, entries):
         self.trainable, self.compile_mode, self.device = trainable, compile, device
+        self.sharding = None  # set by linnet.torch.fully_shard
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
@@ -49,15 +50,31 @@ class TorchModel(LoadedModel):
         return torch.nn.Parameter(tensor) if self.trainable else tensor
 
     def parameters(self):
-        for _, tensor in self.named_weights():
-            yield tensor
+        """The weights; once sharded, this rank's f32 part of each group, in the card's group order."""
+        if self.sharding is None:
+            for _, tensor in self.named_weights():
+                yield tensor
+            return
+        for decl in self.checked.program.groups.values():
+            parts = self.params[decl.key]
+            yield from (parts if decl.repeat is not None else [parts])
 
     def save_weights(self, path, dtype: torch.dtype = torch.bfloat16) -> Path:
-        """One SafeTensors file under Hugging Face names, and the config.json transformers loads it with."""
+        """One SafeTensors file under Hugging Face names, and the config.json transformers loads it with.
+
+        Sharded, every rank must call it: the parts are gathered and the first rank writes."""
         from linnet.export import write_hf_checkpoint
 
-        tensors = {name: tensor.detach().to(dtype) for name, tensor in self.named_weights()}
-        return write_hf_checkpoint(self.card, tensors, Path(path), dtype)
+        if self.sharding is None:
+            tensors = {name: tensor.detach().to(dtype) for name, tensor in self.named_weights()}
+            return write_hf_checkpoint(self.card, tensors, Path(path), dtype)
+        from linnet.torch.shard import gathered_weights
+
+        tensors = dict(gathered_weights(self, dtype))
+        if self.sharding.rank == 0:
+            write_hf_checkpoint(self.card, tensors, Path(path), dtype)
+        torch.distributed.barrier()
+        return Path(path)
 
     def _check_placement(self, entry: str, inputs) -> None:
         for index, tensor in enumerate(inputs):

@@ -1,0 +1,172 @@
+"""The PyTorch training loop: one packed row a process a step.
+
+    history = train(model, iter(rows[rank::world]), optimizer=optimizer, steps=30,
+                    schedule=cosine_schedule(optimizer, 3, 30), checkpoint="ckpt", checkpoint_every=10)
+
+The loss optimised and reported is the token-weighted mean over the whole
+global batch (every rank's row): each rank's mean is scaled by its share of
+the batch's loss weight before the backward, so the summed gradients the
+reduce-scatter gives are the gradients of the global mean."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from linnet.packing import Example, Row, pack
+
+__all__ = ["Example", "pack", "cosine_schedule", "train", "evaluate", "History", "Step"]
+
+
+@dataclass(frozen=True)
+class Step:
+    step: int  # 1-based: the number of optimizer steps taken
+    loss: float  # token-weighted mean over the global batch
+    seconds: float
+    tokens: int  # positions in the global batch
+    loss_tokens: float  # loss weight in the global batch (answer tokens, for prompted examples)
+    lr: float
+
+
+@dataclass
+class History:
+    steps: list[Step] = field(default_factory=list)
+    resumed_from: int = 0  # the step the run resumed after (0: started fresh)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, floor: float = 0.0):
+    """Linear warm-up over `warmup` steps, then a cosine down to `floor` times the peak at `steps`."""
+    if not 0 <= warmup <= steps:
+        raise ValueError(f"cosine_schedule needs 0 <= warmup <= steps, got warmup={warmup}, steps={steps}")
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, steps - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _row_tensors(row: Row, device) -> list[torch.Tensor]:
+    fields = (row.tokens, row.targets, row.positions, row.segments, row.weights)
+    return [torch.from_numpy(f)[None].to(device, non_blocking=True) for f in fields]
+
+
+def _all_sum(values: list[float], device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    if _world()[1] > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def _check_model(model) -> None:
+    rank, world = _world()
+    if world > 1 and getattr(model, "sharding", None) is None:
+        raise RuntimeError(f"{world} processes but the model is not sharded: call linnet.torch.fully_shard(model) first")
+    if "loss_packed" not in model.entries:
+        raise ValueError(f"train needs the loss_packed entry; the model was loaded with entries {model.entries}")
+
+
+def train(
+    model,
+    batches: Iterable[Row],
+    *,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    schedule=None,
+    on_step: Callable[[Step], None] | None = None,
+    checkpoint: str | None = None,
+    checkpoint_every: int | None = None,
+) -> History:
+    """`steps` optimizer steps over `batches` (this rank's rows); resumes from `checkpoint` if it holds one."""
+    from linnet.checkpoint import Checkpointer
+
+    _check_model(model)
+    if checkpoint_every is not None and checkpoint is None:
+        raise ValueError("checkpoint_every needs checkpoint=<folder>")
+    rank, world = _world()
+    history = History()
+    rows: Iterator[Row] = iter(batches)
+    checkpointer = Checkpointer(checkpoint, model, optimizer, schedule) if checkpoint is not None else None
+    if checkpointer is not None:
+        history.resumed_from = checkpointer.resume()
+        rows = itertools.islice(rows, checkpointer.rows_to_skip(history.resumed_from, rank, world), None)
+    report = on_step or _Progress(steps, rank)
+    device = model.device
+    for step in range(history.resumed_from + 1, steps + 1):
+        row = next(rows, None)
+        if row is None:
+            raise ValueError(f"rank {rank} ran out of rows at step {step} of {steps}: give at least {steps} rows a rank")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        inputs = _row_tensors(row, device)
+        local_weight = float(row.weights.sum())
+        (total_weight,) = _all_sum([local_weight], device)
+        loss = model.loss_packed(*inputs)
+        # scaled so that the gradients summed over ranks are those of the global weighted mean
+        (loss * (local_weight / max(total_weight, 1e-12))).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = optimizer.param_groups[0]["lr"]
+        if schedule is not None:
+            schedule.step()
+        (loss_sum,) = _all_sum([float(loss.detach()) * local_weight], device)
+        seconds = time.perf_counter() - start
+        record = Step(step, loss_sum / max(total_weight, 1e-12), seconds, world * len(row.tokens), total_weight, lr)
+        history.steps.append(record)
+        report(record)
+        if checkpointer is not None and checkpoint_every and (step % checkpoint_every == 0 or step == steps):
+            checkpointer.save(step, rows_consumed=step * world)
+    return history
+
+
+@torch.no_grad()
+def evaluate(model, batches: Iterable[Row]) -> float:
+    """The token-weighted mean loss over `batches` (each rank its own rows), over all ranks."""
+    _check_model(model)
+    device = model.device
+    loss_sum = weight_sum = 0.0
+    for row in batches:
+        weight = float(row.weights.sum())
+        if weight > 0:
+            loss_sum += float(model.loss_packed(*_row_tensors(row, device))) * weight
+            weight_sum += weight
+    loss_sum, weight_sum = _all_sum([loss_sum, weight_sum], device)
+    if weight_sum == 0:
+        raise ValueError("evaluate got no rows with loss weight")
+    return loss_sum / weight_sum
+
+
+class _Progress:
+    """Without on_step: the first rank prints step, loss, tokens/s and time left, every few seconds."""
+
+    def __init__(self, steps: int, rank: int, every_seconds: float = 10.0):
+        self.steps, self.rank, self.every = steps, rank, every_seconds
+        self.last = -math.inf
+        self.seconds: list[float] = []
+
+    def __call__(self, step: Step) -> None:
+        self.seconds.append(step.seconds)
+        now = time.monotonic()
+        if self.rank != 0 or (now - self.last < self.every and step.step != self.steps):
+            return
+        self.last = now
+        recent = sorted(self.seconds[-20:])[len(self.seconds[-20:]) // 2]
+        left = recent * (self.steps - step.step)
+        print(f"step {step.step}/{self.steps}  loss {step.loss:.4f}  {step.tokens / recent:,.0f} tokens/s  "
+              f"{left / 60:.1f} min left", file=sys.stderr, flush=True)
