@@ -1,0 +1,73 @@
+"""Linnet's training step on random weights and tokens, the way the FSDP2
+probe (benchmarks/peers/fsdp2_baseline.py) measures its peer: one packed
+4096-token row a GPU a step, median step after warm-up, tokens/s, peak memory.
+
+    torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-1b --steps 30
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from linnet import nest
+from linnet.packing import Row
+from linnet.torch import fully_shard
+from linnet.train import train
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--card", default="llama-3.2-1b")
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--tokens", type=int, default=4096)
+parser.add_argument("--recompute", default="gather", choices=["gather", "full"])
+parser.add_argument("--no-compile", action="store_true")
+args = parser.parse_args()
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+device = torch.device("cuda", torch.cuda.current_device())
+start = time.perf_counter()
+model = nest.load(args.card, backend="torch", device=device, numerics="fast",
+                  compile=None if args.no_compile else "inductor",
+                  generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"},
+                  cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
+fully_shard(model, recompute=args.recompute)
+optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
+vocab = model.checked.dims["Vocab"]
+
+
+def random_rows():
+    rng = np.random.default_rng(rank)
+    n = args.tokens
+    while True:
+        tokens = rng.integers(0, 32000, n, dtype=np.int32)
+        yield Row(tokens=tokens, targets=np.roll(tokens, -1), positions=np.arange(n, dtype=np.int32),
+                  segments=np.zeros(n, np.int32), weights=np.r_[np.ones(n - 1, np.float32), 0.0].astype(np.float32),
+                  filled=n)
+
+
+torch.cuda.reset_peak_memory_stats()
+history = train(model, random_rows(), optimizer=optimizer, steps=args.steps, on_step=lambda s: rank == 0 and print(
+    f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True))
+step = statistics.median(s.seconds for s in history.steps[3:])
+parameters = sum(math.prod(s.shape) for s in model.specs())
+checked = model.checked
+layers, d, seq = checked.dims["Layers"], checked.dims["D"], args.tokens
+tied = bool(checked.consts["tied"])
+matmul_params = parameters if tied else parameters - vocab * d  # the embedding lookup is no matrix product
+flops_token = 6 * matmul_params + 6 * layers * seq * d
+result = dict(card=args.card, world=world, recompute=args.recompute, compiled=not args.no_compile,
+              params=parameters, step_s=round(step, 4), tok_s=round(world * seq / step),
+              tflops_gpu=round(flops_token * seq / step / 1e12, 1),
+              peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+              first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]], setup_s=round(time.perf_counter() - start, 1))
+if rank == 0:
+    print("RESULT " + json.dumps(result), flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,101 @@
+"""fully_shard over Gloo at world sizes 1 to 4: training equals unsharded
+single-process training on the same global batch, step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run
+from hf_models import BASE, LLAMA3_SCALING, write_card
+from linnet import nest
+from linnet.packing import Example, pack
+
+ROW = 64
+STEPS = 5
+LR = 3e-3
+EPS = 1e-6  # AdamW's floor under sqrt(v): 1e-8 lets ~1e-9 gradients of unseen tokens take full steps (see relative_error)
+
+
+def rows(world: int) -> list:
+    """STEPS global batches of `world` rows each, rank-strided: rows[step * world + rank]."""
+    rng = np.random.default_rng(7)
+    examples = [Example.prompted(rng.integers(0, 211, rng.integers(3, 20)).tolist(), rng.integers(0, 211, rng.integers(2, 15)).tolist())
+                for _ in range(60 * world)]
+    packed = list(pack(examples, ROW))
+    assert len(packed) >= STEPS * world
+    return packed[: STEPS * world]
+
+
+@pytest.fixture(scope="module")
+def card(tmp_path_factory):
+    """A tiny tied Llama whose groups (211 x 80 embedding, 80-wide norms) split unevenly over 3 and 4 ranks."""
+    return write_card(tmp_path_factory.mktemp("card"), {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": True},
+                      LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+
+
+def load(card, batch: int = 1, compile: str | None = None):
+    return nest.load(card, numerics="exact", generics={"Batch": batch, "MaxSeq": ROW, "T": "f32"},
+                     cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    """‖actual − expected‖ / ‖expected‖ over a whole tensor. Element by element
+    would be the wrong bar: AdamW divides each gradient by its own running
+    magnitude, so an element whose gradient is ~1e-9 (a token no row holds)
+    moves by a full learning-rate step whatever rounding its gradient got from
+    the order of the sums, which differs between one process and several."""
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def reference(card, world: int) -> tuple[list[float], dict]:
+    """Unsharded, one process: each step the whole global batch (world rows) as one batch."""
+    model = load(card, batch=world)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
+    data = rows(world)
+    losses = []
+    for step in range(STEPS):
+        batch = data[step * world:(step + 1) * world]
+        stack = [torch.from_numpy(np.stack([getattr(r, f) for r in batch])) for f in ("tokens", "targets", "positions", "segments", "weights")]
+        loss = model.loss_packed(*stack)  # the token-weighted mean over the global batch
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {name: t.detach().clone() for name, t in model.named_weights()}
+
+
+def sharded_training(rank: int, world: int, card, compile: str | None, recompute: str):
+    from linnet.torch import fully_shard
+    from linnet.torch.shard import gathered_weights
+    from linnet.train import train
+
+    model = fully_shard(load(card, compile=compile), recompute=recompute)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
+    history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
+    weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
+    return [s.loss for s in history.steps], weights, model.sharding.layouts
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_training_equals_single_process(card, world):
+    expected_losses, expected_weights = reference(card, world)
+    results = run(sharded_training, world, card, None, "gather", timeout=300)
+    for losses, weights, layouts in results:
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        assert weights.keys() == expected_weights.keys()
+        for name, tensor in weights.items():
+            assert relative_error(tensor, expected_weights[name].numpy()) < 1e-5, name
+    if world > 2:  # the groups do not split evenly: the parts carry padding
+        assert any(layout.total > layout.extent for layout in results[0][2].values())
+
+
+def test_compiled_and_full_recompute_equal_eager(card):
+    eager = run(sharded_training, 2, card, None, "gather", timeout=300)
+    compiled = run(sharded_training, 2, card, "inductor", "gather", timeout=600)
+    full = run(sharded_training, 2, card, None, "full", timeout=300)
+    for other in (compiled, full):
+        np.testing.assert_allclose(other[0][0], eager[0][0], rtol=1e-5)
+        for name, tensor in other[0][1].items():
+            assert relative_error(tensor, eager[0][1][name]) < 1e-5, name
