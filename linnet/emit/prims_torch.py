@@ -76,10 +76,15 @@ def attention_exact(q, k, v, mask):
 
 
 def attention_fast(q, k, v, mask):
-    # mask None is plain causal attention, which fused kernels do without a mask.
+    # None is plain causal attention, which fused kernels do without a mask; a
+    # dense mask goes to SDPA; a block mask (documents, on CUDA) to flex attention.
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
 
 
 def silu(x):
@@ -97,6 +102,20 @@ def causal_mask_exact(tokens):
 
 def causal_mask_fast(tokens):
     return None
+
+
+def document_mask_fast(segments):
+    # On CUDA a block mask: flex attention skips the blocks no document reaches.
+    batch, seq = segments.shape
+    if not segments.is_cuda:
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
+        return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]  # (B, 1, S, S)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document(b, h, q, kv):
+        return (kv <= q) & (segments[b, q] == segments[b, kv])
+
+    return create_block_mask(same_document, batch, None, seq, seq, device=segments.device)
 
 
 def document_mask(segments):
@@ -121,7 +140,7 @@ def cross_entropy(hidden, head, targets, weights):
 _SHARED = {
     f.__name__: f
     for f in (embedding, rms_norm, linear, split_heads, merge_heads, rope, rotate, silu,
-              arange_positions, document_mask, to_f32, cross_entropy)
+              arange_positions, to_f32, cross_entropy)
 }
-EXACT = {**_SHARED, "attention": attention_exact, "causal_mask": causal_mask_exact}
-FAST = {**_SHARED, "attention": attention_fast, "causal_mask": causal_mask_fast}
+EXACT = {**_SHARED, "attention": attention_exact, "causal_mask": causal_mask_exact, "document_mask": document_mask}
+FAST = {**_SHARED, "attention": attention_fast, "causal_mask": causal_mask_fast, "document_mask": document_mask_fast}

@@ -1,0 +1,63 @@
+"""On a CUDA machine: flex attention over packed rows, and sharded training
+over NCCL at world size 1, against the same computations done plainly.
+Skipped where there is no GPU (CI)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, pack
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ROW = 256
+
+
+def rows(count: int) -> list:
+    rng = np.random.default_rng(5)
+    examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 40)).tolist(), rng.integers(6, 512, rng.integers(2, 30)).tolist())
+                for _ in range(40 * count)]
+    return list(pack(examples, ROW))[:count]
+
+
+def inputs(row, device="cuda"):
+    return [torch.from_numpy(getattr(row, f))[None].to(device) for f in ("tokens", "targets", "positions", "segments", "weights")]
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_flex_attention_on_packed_rows_equals_exact(compile):
+    generics = {"Batch": 1, "MaxSeq": ROW, "T": "f32"}
+    exact = nest.load("tiny-llama", device="cuda", generics=generics, entry="loss_packed", numerics="exact")
+    fast = nest.load("tiny-llama", device="cuda", generics=generics, entry="loss_packed", numerics="fast", compile=compile)
+    for row in rows(3):
+        torch.testing.assert_close(fast(*inputs(row)), exact(*inputs(row)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_sharded_training_over_nccl_equals_unsharded(nccl_world_of_one, compile):
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    def load():
+        return nest.load("tiny-llama", device="cuda", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
+                         cast_dtype=True, trainable=True, weights="random", entry="loss_packed", compile=compile)
+
+    data = rows(5)
+    plain = load()
+    optimizer = torch.optim.AdamW(list(plain.parameters()), lr=3e-3, eps=1e-6)
+    expected = [s.loss for s in train(plain, iter(data), optimizer=optimizer, steps=5, on_step=lambda s: None).steps]
+    sharded = fully_shard(load())
+    optimizer = torch.optim.AdamW(list(sharded.parameters()), lr=3e-3, eps=1e-6)
+    got = [s.loss for s in train(sharded, iter(data), optimizer=optimizer, steps=5, on_step=lambda s: None).steps]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
