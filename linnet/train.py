@@ -66,10 +66,11 @@ def _row_tensors(row: Row, device) -> list[torch.Tensor]:
     return [torch.from_numpy(f)[None].to(device, non_blocking=True) for f in fields]
 
 
-def _all_sum(values: list[float], device) -> list[float]:
+def _all_reduce(values: list[float], device, op=None) -> list[float]:
+    """values summed (or reduced by op) over the ranks; f64 where the backend has it (Gloo)."""
     tensor = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
     if _world()[1] > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
     return tensor.tolist()
 
 
@@ -96,8 +97,6 @@ def train(
     from linnet.checkpoint import Checkpointer
 
     _check_model(model)
-    if checkpoint_every is not None and checkpoint is None:
-        raise ValueError("checkpoint_every needs checkpoint=<folder>")
     rank, world = _world()
     history = History()
     rows: Iterator[Row] = iter(batches)
@@ -109,14 +108,16 @@ def train(
     device = model.device
     for step in range(history.resumed_from + 1, steps + 1):
         row = next(rows, None)
-        if row is None:
-            raise ValueError(f"rank {rank} ran out of rows at step {step} of {steps}: give at least {steps} rows a rank")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
+        local_weight = float(row.weights.sum()) if row is not None else 0.0
+        # Every forward of a sharded model is collective: all ranks step, or all stop together.
+        total_weight, ranks_with_a_row = _all_reduce([local_weight, float(row is not None)], device)
+        if ranks_with_a_row < world:
+            raise ValueError(f"{world - int(ranks_with_a_row)} of {world} ranks ran out of rows at step {step} "
+                             f"of {steps}: give every rank at least {steps} rows")
         inputs = _row_tensors(row, device)
-        local_weight = float(row.weights.sum())
-        (total_weight,) = _all_sum([local_weight], device)
         loss = model.loss_packed(*inputs)
         # scaled so that the gradients summed over ranks are those of the global weighted mean
         (loss * (local_weight / max(total_weight, 1e-12))).backward()
@@ -125,7 +126,7 @@ def train(
         lr = optimizer.param_groups[0]["lr"]
         if schedule is not None:
             schedule.step()
-        (loss_sum,) = _all_sum([float(loss.detach()) * local_weight], device)
+        (loss_sum,) = _all_reduce([float(loss.detach()) * local_weight], device)
         seconds = time.perf_counter() - start
         record = Step(step, loss_sum / max(total_weight, 1e-12), seconds, world * len(row.tokens), total_weight, lr)
         history.steps.append(record)
@@ -140,13 +141,20 @@ def evaluate(model, batches: Iterable[Row]) -> float:
     """The token-weighted mean loss over `batches` (each rank its own rows), over all ranks."""
     _check_model(model)
     device = model.device
+    rows = list(batches)
+    # A sharded forward is collective: every rank runs as many rows, the short ones weightless copies.
+    (most,) = _all_reduce([float(len(rows))], device, dist.ReduceOp.MAX)
+    if rows:
+        blank = rows[0]
+        rows += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (int(most) - len(rows))
+    elif most:
+        raise ValueError("evaluate: this rank got no rows while others did; give every rank at least one")
     loss_sum = weight_sum = 0.0
-    for row in batches:
+    for row in rows:
         weight = float(row.weights.sum())
-        if weight > 0:
-            loss_sum += float(model.loss_packed(*_row_tensors(row, device))) * weight
-            weight_sum += weight
-    loss_sum, weight_sum = _all_sum([loss_sum, weight_sum], device)
+        loss_sum += float(model.loss_packed(*_row_tensors(row, device))) * weight
+        weight_sum += weight
+    loss_sum, weight_sum = _all_reduce([loss_sum, weight_sum], device)
     if weight_sum == 0:
         raise ValueError("evaluate got no rows with loss weight")
     return loss_sum / weight_sum

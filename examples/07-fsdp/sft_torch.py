@@ -102,10 +102,10 @@ peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0]
 torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
 if rank == 0:
     step = statistics.median(s.seconds for s in history.steps[2:])
+    memory = f"peak {float(peak):.1f} GiB a GPU" if cuda else "on the CPU"
     print(
         f"{step:.2f} s a step ({world * TOKENS / step:.0f} positions/s on {world} "
-        f"{'GPUs' if cuda else 'processes'}), peak {float(peak):.1f} GiB a GPU, "
-        f"held-out loss {before:.3f} to {after:.3f}"
+        f"{'GPUs' if cuda else 'processes'}), {memory}, held-out loss {before:.3f} to {after:.3f}"
     )
 if args.out is not None:
     # Every process calls it: the parts are gathered, and the first writes.
