@@ -20,6 +20,8 @@ class TorchModel(LoadedModel):
 
     def __init__(self, card, checked, *, generics, numerics, cast_dtype, trainable: bool, compile: str | None,
                  device: torch.device, entries):
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current device, by its index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.trainable, self.compile_mode, self.device = trainable, compile, device
         self.sharding = None  # set by linnet.torch.fully_shard
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]

@@ -168,7 +168,7 @@ def gathered_weights(model: TorchModel, dtype: torch.dtype):
 
 def _gather_policy(ctx, func, *args, **kwargs):
     """Recompute the gather and the views of what it returns; keep everything else."""
-    if func in ops.collective_overloads() or func.is_view:
+    if func in ops.collective_overloads() or getattr(func, "is_view", False):  # higher-order ops have no is_view
         return CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_SAVE
 

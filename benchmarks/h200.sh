@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the lent H200: build the CUDA extension against the machine's
+# PyTorch, run the op and GPU tests, then time Linnet beside FSDP2 in the same
+# call. Writes logs under $OUT (or ./out). Usage: bash benchmarks/h200.sh [quick]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print(torch.__version__, torch.version.cuda)"
+start=$(date +%s)
+TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+  || { tail -50 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+python3 -m pytest -q -x tests/test_ops.py tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
+run() {  # name, then the command; keeps going when one fails
+  local name=$1; shift
+  echo "== $name"; timeout 900 "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"
+  grep -E "RESULT|Error|error:" "$OUT/$name.log" | tail -3
+}
+run linnet-1b torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-1b --steps 30
+run fsdp2-1b torchrun --nproc_per_node=1 benchmarks/peers/fsdp2_baseline.py --shape 1b --steps 30
+[ "${1:-}" = quick ] && exit 0
+run linnet-8b torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.1-8b --steps 10 --recompute full
+run fsdp2-8b-ac torchrun --nproc_per_node=1 benchmarks/peers/fsdp2_baseline.py --shape 8b --ac --steps 10
