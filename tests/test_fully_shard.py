@@ -99,3 +99,83 @@ def test_compiled_and_full_recompute_equal_eager(card):
         np.testing.assert_allclose(other[0][0], eager[0][0], rtol=1e-5)
         for name, tensor in other[0][1].items():
             assert relative_error(tensor, eager[0][1][name]) < 1e-5, name
+
+
+def state_bytes(model, optimizer) -> int:
+    """Bytes this rank holds for parameters, their gradients and the optimizer's state, measured."""
+    total = 0
+    for param in model.parameters():
+        total += param.numel() * param.element_size()
+        if param.grad is not None:
+            total += param.grad.numel() * param.grad.element_size()
+        for value in optimizer.state[param].values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                total += value.numel() * value.element_size()
+    return total
+
+
+def one_step(model, world: int = 1):
+    """One AdamW step on the same row in every rank (the global mean is that row's loss: hence / world)."""
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, eps=EPS)
+    row = rows(1)[0]
+    loss = model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")])
+    (loss / world).backward()
+    optimizer.step()
+    return optimizer
+
+
+def memory_and_export(rank: int, world: int, card, folder: str):
+    from linnet.torch import fully_shard
+
+    model = fully_shard(load(card))
+    held = state_bytes(model, one_step(model, world))
+    model.save_weights(folder, dtype=torch.float32)
+    return held
+
+
+def test_each_rank_holds_a_world_th_and_saved_weights_load_in_transformers(card, tmp_path):
+    unsharded = load(card)
+    whole = state_bytes(unsharded, one_step(unsharded))
+    for world in (2, 4):
+        held = run(memory_and_export, world, card, str(tmp_path / f"w{world}"), timeout=300)
+        for rank_bytes in held:  # padding to the alignment adds a little over 1/world
+            assert whole / world <= rank_bytes <= whole / world * 1.02 + 4 * 16 * 4 * world * 3
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "w2", attn_implementation="eager")
+    # the sharded model after its one step, against the same step taken unsharded
+    tokens = torch.from_numpy(rows(1)[0].tokens)[None].long()
+    expected = dict(unsharded.named_weights())
+    for name, tensor in reloaded.state_dict().items():
+        if name in expected:
+            assert relative_error(tensor.numpy(), expected[name].detach().numpy()) < 1e-5, name
+    logits = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, weights=tmp_path / "w2",
+                       entry="logits").logits(tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=tokens).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def calls_fully_shard_badly(rank: int, world: int, card):
+    from linnet.torch import fully_shard
+
+    errors = []
+    for attempt in (lambda: fully_shard(fully_shard(load(card))),
+                    lambda: fully_shard(nest.load(card, generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, weights="random")),
+                    lambda: fully_shard(load(card), recompute="some")):
+        try:
+            attempt()
+        except (RuntimeError, ValueError) as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_clear_errors(card):
+    from linnet.torch import fully_shard
+    from linnet.torch.shard import GroupLayout, _check_split
+
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        fully_shard(load(card))
+    twice, uncast, policy = run(calls_fully_shard_badly, 1, card)[0]
+    assert "already sharded" in twice and "cast_dtype=True" in uncast and 'recompute must be "gather" or "full"' in policy
+    with pytest.raises(ValueError, match="group Head has 80 elements: split over 64 ranks"):
+        _check_split(GroupLayout("Head", ("norm",), ((80,),), (0,), 1024, 16), 64)

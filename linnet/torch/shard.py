@@ -126,10 +126,12 @@ def _check_device(model: TorchModel, group: dist.ProcessGroup) -> None:
 
 
 def _check_split(layout: GroupLayout, world: int) -> None:
-    if layout.total > 2 * max(layout.numel, ALIGN * world) and layout.numel < ALIGN * world:
+    """A world so large that most of a group's buffer would be padding is a mistake, not a plan."""
+    if 2 * layout.extent < layout.total:
         raise ValueError(
-            f"group {layout.group} has {layout.numel} elements: split over {world} ranks, more than half of "
-            f"every part would be padding. Use fewer ranks (at most {max(1, layout.numel // ALIGN)})."
+            f"group {layout.group} has {layout.numel} elements: split over {world} ranks into parts of "
+            f"{layout.part_size} (a multiple of {ALIGN}), more than half of its buffer would be padding. "
+            f"Use fewer ranks."
         )
 
 
