@@ -1,0 +1,69 @@
+// The device-generic bodies of Linnet's ops. Each backend supplies one
+// primitive, CopyCastPad, and registers these bodies with it for its dispatch
+// key (csrc/cpu/kernels.cpp, csrc/cuda/kernels.cu).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+namespace linnet {
+
+// Writes dst[i] = scale * src.flatten()[i] (cast to dst's dtype) for
+// i < src.numel() and dst[i] = 0 for the rest of dst. dst is 1-D, contiguous,
+// on src's device, with at least src.numel() elements; src may be strided.
+using CopyCastPad = void (*)(const at::Tensor& src, const at::Tensor& dst, double scale);
+
+at::Tensor flatten(at::TensorList tensors, at::IntArrayRef offsets, int64_t total, CopyCastPad copy);
+at::Tensor shard(const at::Tensor& flat, int64_t rank, int64_t world, CopyCastPad copy);
+at::Tensor all_gather(
+    const at::Tensor& part,
+    at::ScalarType dtype,
+    int64_t group_size,
+    const std::string& group_name,
+    CopyCastPad copy);
+at::Tensor reduce_scatter(
+    const at::Tensor& full,
+    const std::string& reduce_op,
+    int64_t group_size,
+    const std::string& group_name,
+    CopyCastPad copy);
+
+// Returns `tensor` once the collective that produces it has finished (the
+// dispatcher's _c10d_functional::wait_tensor).
+at::Tensor wait(const at::Tensor& tensor);
+
+std::vector<at::Tensor> group_views(
+    const at::Tensor& flat,
+    at::IntArrayRef offsets,
+    at::IntArrayRef shapes,
+    at::IntArrayRef ndims);
+
+// Checks that a backend's kernels accept: a floating dtype (what the copy
+// kernels are instantiated for).
+void check_floating(const at::Tensor& tensor, const char* op, const char* what);
+
+// Registers the bodies above for one backend's dispatch key.
+template <CopyCastPad copy>
+void register_kernels(torch::Library& m) {
+  m.impl("flatten", [](at::TensorList tensors, at::IntArrayRef offsets, int64_t total) {
+    return flatten(tensors, offsets, total, copy);
+  });
+  m.impl("shard", [](const at::Tensor& flat, int64_t rank, int64_t world) {
+    return shard(flat, rank, world, copy);
+  });
+  m.impl(
+      "all_gather",
+      [](const at::Tensor& part, at::ScalarType dtype, int64_t group_size, std::string group_name) {
+        return all_gather(part, dtype, group_size, group_name, copy);
+      });
+  m.impl(
+      "reduce_scatter",
+      [](const at::Tensor& full, std::string reduce_op, int64_t group_size, std::string group_name) {
+        return reduce_scatter(full, reduce_op, group_size, group_name, copy);
+      });
+}
+
+}  // namespace linnet
