@@ -8,7 +8,9 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print(torch.__version__, torch.version.cuda)"
 start=$(date +%s)
-TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+# The image's default g++ links libstdc++ statically, and the extension built with it
+# crashes on its first error message: build with the system compiler.
+CC=/usr/bin/gcc CXX=/usr/bin/g++ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x tests/test_ops.py tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt"

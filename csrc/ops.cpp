@@ -43,9 +43,13 @@ std::vector<at::Tensor> group_views(
       " offsets and ",
       ndims.size(),
       " ndims");
-  std::vector<at::Tensor> views;
-  views.reserve(offsets.size());
+  // One split of the whole buffer, gaps and tail included, rather than a
+  // narrow per tensor: the gradient of a split is one concatenation into a
+  // single buffer, where each narrow's gradient would be a buffer of its own.
+  std::vector<int64_t> pieces;
+  std::vector<size_t> kept;
   size_t dim = 0;
+  int64_t end = 0;
   for (size_t i = 0; i < offsets.size(); ++i) {
     TORCH_CHECK(
         ndims[i] >= 0 && dim + ndims[i] <= shapes.size(),
@@ -56,21 +60,25 @@ std::vector<at::Tensor> group_views(
         " runs past the ",
         shapes.size(),
         " entries of shapes; expected sum(ndims) == len(shapes)");
-    at::IntArrayRef shape = shapes.slice(dim, ndims[i]);
+    int64_t numel = c10::multiply_integers(shapes.slice(dim, ndims[i]));
     dim += ndims[i];
-    int64_t numel = c10::multiply_integers(shape);
     TORCH_CHECK(
-        offsets[i] >= 0 && offsets[i] + numel <= flat.sym_numel(),
+        offsets[i] >= end && offsets[i] + numel <= flat.numel(),
         "group_views: tensor ",
         i,
-        " of shape ",
-        shape,
-        " at offset ",
+        " of ",
+        numel,
+        " elements at offset ",
         offsets[i],
-        " does not fit in the flat buffer of ",
-        flat.sym_numel(),
+        " overlaps the one before it (which ends at ",
+        end,
+        ") or does not fit in the flat buffer of ",
+        flat.numel(),
         " elements");
-    views.push_back(flat.narrow(0, offsets[i], numel).view(shape));
+    pieces.push_back(offsets[i] - end);  // the gap before it (often empty)
+    kept.push_back(pieces.size());
+    pieces.push_back(numel);
+    end = offsets[i] + numel;
   }
   TORCH_CHECK(
       dim == shapes.size(),
@@ -78,6 +86,15 @@ std::vector<at::Tensor> group_views(
       dim,
       " and ",
       shapes.size());
+  pieces.push_back(flat.numel() - end);
+  std::vector<at::Tensor> split = flat.split_with_sizes(pieces);
+  std::vector<at::Tensor> views;
+  views.reserve(kept.size());
+  dim = 0;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    views.push_back(split[kept[i]].view(shapes.slice(dim, ndims[i])));
+    dim += ndims[i];
+  }
   return views;
 }
 
