@@ -97,8 +97,8 @@ class LoadedModel(ABC):
         check_inputs(self.checked, self.generics, entry, [tuple(x.shape) for x in inputs], [self._kind(x) for x in inputs])
         return self._compiled[entry](self.params, *inputs)
 
-    def _check_placement(self, entry: str, inputs) -> None:
-        pass
+    def _check_placement(self, entry: str, inputs) -> None:  # noqa: B027 (optional: backends that place tensors check it)
+        """Raises if an input is not where the model's weights are."""
 
     @abstractmethod
     def _kind(self, tensor) -> str:

@@ -82,7 +82,7 @@ def sharded_training(rank: int, world: int, card, compile: str | None, recompute
 def test_sharded_training_equals_single_process(card, world):
     expected_losses, expected_weights = reference(card, world)
     results = run(sharded_training, world, card, None, "gather", timeout=300)
-    for losses, weights, layouts in results:
+    for losses, weights, _ in results:
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         assert weights.keys() == expected_weights.keys()
         for name, tensor in weights.items():
