@@ -46,7 +46,10 @@ std::vector<at::Tensor> group_views(
   // One split of the whole buffer, gaps and tail included, rather than a
   // narrow per tensor: the gradient of a split is one concatenation into a
   // single buffer, where each narrow's gradient would be a buffer of its own.
-  std::vector<int64_t> pieces;
+  // Sizes are symbolic under torch.compile with dynamic shapes: the buffer's
+  // length is a SymInt there, so the pieces are SymInts too.
+  const c10::SymInt total = flat.sym_numel();
+  std::vector<c10::SymInt> pieces;
   std::vector<size_t> kept;
   size_t dim = 0;
   int64_t end = 0;
@@ -62,8 +65,8 @@ std::vector<at::Tensor> group_views(
         " entries of shapes; expected sum(ndims) == len(shapes)");
     int64_t numel = c10::multiply_integers(shapes.slice(dim, ndims[i]));
     dim += ndims[i];
-    TORCH_CHECK(
-        offsets[i] >= end && offsets[i] + numel <= flat.numel(),
+    TORCH_SYM_CHECK(
+        total.sym_ge(offsets[i] + numel).sym_and(c10::SymBool(offsets[i] >= end)),
         "group_views: tensor ",
         i,
         " of ",
@@ -73,11 +76,11 @@ std::vector<at::Tensor> group_views(
         " overlaps the one before it (which ends at ",
         end,
         ") or does not fit in the flat buffer of ",
-        flat.numel(),
+        total,
         " elements");
-    pieces.push_back(offsets[i] - end);  // the gap before it (often empty)
+    pieces.emplace_back(offsets[i] - end);  // the gap before it (often empty)
     kept.push_back(pieces.size());
-    pieces.push_back(numel);
+    pieces.emplace_back(numel);
     end = offsets[i] + numel;
   }
   TORCH_CHECK(
@@ -86,8 +89,8 @@ std::vector<at::Tensor> group_views(
       dim,
       " and ",
       shapes.size());
-  pieces.push_back(flat.numel() - end);
-  std::vector<at::Tensor> split = flat.split_with_sizes(pieces);
+  pieces.push_back(total - end);
+  std::vector<at::Tensor> split = flat.split_with_sizes_symint(pieces);
   std::vector<at::Tensor> views;
   views.reserve(kept.size());
   dim = 0;
