@@ -12,8 +12,9 @@ start=$(date +%s)
 # crashes on its first error message: build with the system compiler.
 CC=/usr/bin/gcc CXX=/usr/bin/g++ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
-python3 -m pytest -q -x tests/test_ops.py tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
+echo "build: $(( $(date +%s) - start )) s" | tee "$OUT/build-time.txt"
+# Written straight to $OUT, so that a call cut short still brings back how far the tests got.
+python3 -m pytest -v -x tests/test_ops.py tests/test_gpu.py > "$OUT/tests.txt" 2>&1; tail -15 "$OUT/tests.txt"
 run() {  # name, then the command; keeps going when one fails
   local name=$1; shift
   echo "== $name"; timeout 900 "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"
