@@ -3,29 +3,21 @@
 A checkpoint is a folder `step-00000010/` holding one file a rank (its parts,
 its optimizer state, its RNG state) and `MANIFEST.json`, written last, with
 the step, the world size, the data position, the schedule, the layouts of the
-parts, and each file's size and SHA-256. It is written as
-`step-00000010.partial/` and renamed only when complete, so a crash leaves no
-"latest" that cannot load. Resume takes the newest checkpoint whose manifest
-and files check out; any other is passed over with a warning naming it.
+parts, and each file's size and SHA-256; linnet/checkpoint_folder.py makes it
+visible only when complete and picks the newest one that checks out.
 A checkpoint resumes at another world size: the parts and the optimizer state
 are re-split from the saved parts."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
-import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-MANIFEST = "MANIFEST.json"
-FORMAT = 1
+from linnet import checkpoint_folder
 
 
 def _world() -> tuple[int, int]:
@@ -55,22 +47,6 @@ def _gather_objects(value) -> list:
     return out
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _rank_file(rank: int, world: int) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.pt"
 
@@ -92,12 +68,9 @@ class Checkpointer:
 
     def save(self, step: int, rows_consumed: int) -> Path:
         rank, world = _world()
-        name = f"step-{step:08d}"
-        final, partial = self.folder / name, self.folder / f"{name}.partial"
+        partial = checkpoint_folder.partial_path(self.folder, step)
         if rank == 0:
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
+            checkpoint_folder.begin(partial)
         _barrier()
         path = partial / _rank_file(rank, world)
         state = {
@@ -106,12 +79,10 @@ class Checkpointer:
             "rng": _rng_state(),
         }
         torch.save(state, path)
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        files = _gather_objects((path.name, path.stat().st_size, _sha256(path)))
+        files = _gather_objects(checkpoint_folder.describe(path))
+        final = None
         if rank == 0:
             manifest = {
-                "format": FORMAT,
                 "card": self.model.card.name,
                 "step": step,
                 "world": world,
@@ -119,19 +90,8 @@ class Checkpointer:
                 "schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "layouts": self.layouts,
                 "parts": [self.part_index[id(p)] for p in self.params],
-                "files": {name: {"bytes": size, "sha256": digest} for name, size, digest in files},
             }
-            with open(partial / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=1, default=_jsonable)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(partial)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(partial, final)
-            _fsync_dir(self.folder)
-            for old in sorted(self.folder.glob("step-????????"))[:-self.keep]:
-                shutil.rmtree(old)
+            final = checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep, default=_jsonable)
         _barrier()
         return final
 
@@ -140,12 +100,12 @@ class Checkpointer:
     def resume(self) -> int:
         """Loads the newest complete checkpoint; returns its step (0 if there is none)."""
         rank, world = _world()
-        choice = self._choose() if rank == 0 else None
-        choice = _broadcast(choice)
+        choice = checkpoint_folder.latest(self.folder) if rank == 0 else None
+        choice = _broadcast(None if choice is None else choice.name)
         if choice is None:
             return 0
         folder = self.folder / choice
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = checkpoint_folder.read_manifest(folder)
         if manifest["card"] != self.model.card.name or manifest["layouts"] != self.layouts:
             raise ValueError(f"checkpoint {folder} holds a run of {manifest['card']} with other layouts; "
                              f"this model is {self.model.card.name}: point checkpoint= at another folder")
@@ -162,18 +122,6 @@ class Checkpointer:
             return 0
         consumed = self.manifest["rows_consumed"]
         return max(0, -(-(consumed - rank) // world))
-
-    def _choose(self) -> str | None:
-        if not self.folder.exists():
-            return None
-        for partial in sorted(self.folder.glob("*.partial")):
-            warnings.warn(f"linnet: passing over {partial}: an unfinished checkpoint (its write was interrupted)")
-        for folder in sorted(self.folder.glob("step-????????"), reverse=True):
-            problem = _problem(folder)
-            if problem is None:
-                return folder.name
-            warnings.warn(f"linnet: passing over checkpoint {folder}: {problem}")
-        return None
 
     def _load(self, folder: Path, manifest: dict, rank: int, world: int) -> None:
         saved_world = manifest["world"]
@@ -236,30 +184,6 @@ def _layouts(model) -> list[dict]:
         entry = {"group": decl.name, "extent": layout.extent}
         out += [entry] * (model.checked.repeat(decl.name) if decl.repeat is not None else 1)
     return out
-
-
-def _problem(folder: Path) -> str | None:
-    """What is wrong with a checkpoint folder, or None."""
-    manifest_path = folder / MANIFEST
-    if not manifest_path.exists():
-        return f"no {MANIFEST} (incomplete)"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError) as error:
-        return f"{MANIFEST} is unreadable ({error})"
-    if manifest.get("format") != FORMAT:
-        return f"format {manifest.get('format')}, expected {FORMAT}"
-    for name, expected in files.items():
-        path = folder / name
-        if not path.exists():
-            return f"{name} is missing"
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            return f"{name} has {size} bytes, the manifest says {expected['bytes']} (truncated or overwritten)"
-        if _sha256(path) != expected["sha256"]:
-            return f"{name} does not match its SHA-256 in the manifest (corrupt)"
-    return None
 
 
 def _rng_state() -> dict:

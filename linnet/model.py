@@ -34,12 +34,16 @@ class LoadedModel(ABC):
     def _install(self, source: str, namespace: dict) -> None:
         """Executes generated source and makes its entries this model's."""
         self.source = source
+        self.functions = self.execute(source, namespace)
+        self._compiled = {entry: self._compile(function) for entry, function in self.functions.items()}
+
+    def execute(self, source: str, namespace: dict) -> dict:
+        """The entries of generated source, executed with `namespace` (what sharded source calls) bound."""
         filename = f"<linnet {self.card.name} {self.backend.name}{' sharded' if namespace else ''}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show it
         scope = dict(namespace)
         exec(compile(source, filename, "exec"), scope)
-        self.functions = {entry: scope[entry] for entry in self.entries}
-        self._compiled = {entry: self._compile(function) for entry, function in self.functions.items()}
+        return {entry: scope[entry] for entry in self.entries}
 
     def _compile(self, function):
         return function

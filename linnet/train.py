@@ -12,33 +12,16 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from linnet.history import History, Progress, Step
 from linnet.packing import Example, Row, pack
 
 __all__ = ["Example", "pack", "cosine_schedule", "train", "evaluate", "History", "Step"]
-
-
-@dataclass(frozen=True)
-class Step:
-    step: int  # 1-based: the number of optimizer steps taken
-    loss: float  # token-weighted mean over the global batch
-    seconds: float
-    tokens: int  # positions in the global batch
-    loss_tokens: float  # loss weight in the global batch (answer tokens, for prompted examples)
-    lr: float
-
-
-@dataclass
-class History:
-    steps: list[Step] = field(default_factory=list)
-    resumed_from: int = 0  # the step the run resumed after (0: started fresh)
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, floor: float = 0.0):
@@ -104,7 +87,7 @@ def train(
     if checkpointer is not None:
         history.resumed_from = checkpointer.resume()
         rows = itertools.islice(rows, checkpointer.rows_to_skip(history.resumed_from, rank, world), None)
-    report = on_step or _Progress(steps, rank)
+    report = on_step or Progress(steps, rank)
     device = model.device
     for step in range(history.resumed_from + 1, steps + 1):
         row = next(rows, None)
@@ -158,23 +141,3 @@ def evaluate(model, batches: Iterable[Row]) -> float:
     if weight_sum == 0:
         raise ValueError("evaluate got no rows with loss weight")
     return loss_sum / weight_sum
-
-
-class _Progress:
-    """Without on_step: the first rank prints step, loss, tokens/s and time left, every few seconds."""
-
-    def __init__(self, steps: int, rank: int, every_seconds: float = 10.0):
-        self.steps, self.rank, self.every = steps, rank, every_seconds
-        self.last = -math.inf
-        self.seconds: list[float] = []
-
-    def __call__(self, step: Step) -> None:
-        self.seconds.append(step.seconds)
-        now = time.monotonic()
-        if self.rank != 0 or (now - self.last < self.every and step.step != self.steps):
-            return
-        self.last = now
-        recent = sorted(self.seconds[-20:])[len(self.seconds[-20:]) // 2]
-        left = recent * (self.steps - step.step)
-        print(f"step {step.step}/{self.steps}  loss {step.loss:.4f}  {step.tokens / recent:,.0f} tokens/s  "
-              f"{left / 60:.1f} min left", file=sys.stderr, flush=True)

@@ -1,8 +1,11 @@
 """A card loaded for JAX (`backend="jax_source"`): the generated jax.numpy
-functions, each taking `(params, *inputs)` and jitted, and the weights as a
-pytree (`model.params`)."""
+functions, each taking `(params, *inputs)` and jitted, the weights as a
+pytree (`model.params`), and `model.save_weights(folder)`, which writes a
+Hugging Face checkpoint. linnet/jax/train.py trains it, fully sharded."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +40,21 @@ class JaxModel(LoadedModel):
             return jnp.asarray(rng.normal(0.0, std, spec.shape).astype(np.float32), dtype=self.weight_dtype)
 
         return draw
+
+    def save_weights(self, path, dtype=jnp.bfloat16) -> Path:
+        """One SafeTensors file under Hugging Face names, and the config.json transformers loads it with."""
+        import torch
+
+        from linnet.export import write_hf_checkpoint
+        from linnet.torch.model import TORCH_DTYPES
+
+        names = {jnp.dtype(d): name for name, d in JAX_DTYPES.items()}
+        if jnp.dtype(dtype) not in names:
+            raise ValueError(f"save_weights(dtype=...) takes one of {list(JAX_DTYPES.values())}, got {dtype}")
+        torch_dtype = TORCH_DTYPES[names[jnp.dtype(dtype)]]
+        tensors = {name: torch.from_numpy(np.asarray(weight, np.float32)).to(torch_dtype)
+                   for name, weight in self.named_weights()}
+        return write_hf_checkpoint(self.card, tensors, Path(path), torch_dtype)
 
     def _kind(self, array) -> str:
         return "float" if jnp.issubdtype(array.dtype, jnp.floating) else "int"

@@ -1,0 +1,48 @@
+"""What a training run reports, whatever the framework: a `Step` for each
+optimizer step, the `History` of them, and the progress line the first rank
+prints when nobody asked for `on_step`."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Step", "History", "Progress"]
+
+
+@dataclass(frozen=True)
+class Step:
+    step: int  # 1-based: the number of optimizer steps taken
+    loss: float  # token-weighted mean over the global batch
+    seconds: float
+    tokens: int  # positions in the global batch
+    loss_tokens: float  # loss weight in the global batch (answer tokens, for prompted examples)
+    lr: float
+
+
+@dataclass
+class History:
+    steps: list[Step] = field(default_factory=list)
+    resumed_from: int = 0  # the step the run resumed after (0: started fresh)
+
+
+class Progress:
+    """Without on_step: the first rank prints step, loss, tokens/s and time left, every few seconds."""
+
+    def __init__(self, steps: int, rank: int, every_seconds: float = 10.0):
+        self.steps, self.rank, self.every = steps, rank, every_seconds
+        self.last = -math.inf
+        self.seconds: list[float] = []
+
+    def __call__(self, step: Step) -> None:
+        self.seconds.append(step.seconds)
+        now = time.monotonic()
+        if self.rank != 0 or (now - self.last < self.every and step.step != self.steps):
+            return
+        self.last = now
+        recent = sorted(self.seconds[-20:])[len(self.seconds[-20:]) // 2]
+        left = recent * (self.steps - step.step)
+        print(f"step {step.step}/{self.steps}  loss {step.loss:.4f}  {step.tokens / recent:,.0f} tokens/s  "
+              f"{left / 60:.1f} min left", file=sys.stderr, flush=True)

@@ -1,0 +1,151 @@
+"""Fully sharded data parallelism for the JAX backend, inside `jax.shard_map`.
+
+The same plan as linnet/torch/shard.py, in JAX's terms:
+  1. each group's weights (the embedding, each layer, the final norm with the
+     head) are laid out in one flat f32 buffer, padded to divide by the number
+     of devices, and placed split over the mesh's axis: each device holds its
+     part;
+  2. the card's entries are emitted in their sharded form (`linnet jax CARD
+     --fully-shard` prints it), with `gather` and `checkpointed` bound here:
+     `gather` casts a part to the compute dtype and all-gathers it, and its
+     gradient is reduce-scattered in f32 into the part (`psum_scatter`);
+  3. `checkpointed` runs each layer as it is (`remat=False`: its activations
+     and gathered weights are kept for the backward) or under `jax.checkpoint`
+     (`remat=True`: the backward gathers the layer's weights and computes it
+     again, keeping only its input).
+
+The functions here run inside `shard_map`; linnet/jax/train.py places the
+parts and calls them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from linnet.cardlang.check import Checked
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where each weight of one group lies in its flat buffer: one after the other, then padding."""
+
+    group: str  # the card's group name ("Layer")
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    extent: int  # where the last weight ends
+    total: int  # padded to a multiple of the number of devices
+
+    def part_size(self, devices: int) -> int:
+        return self.total // devices
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def group_layouts(checked: Checked, devices: int) -> dict[str, GroupLayout]:
+    """The flat layout of every group of the card, for `devices` parts each."""
+    layouts = {}
+    for decl in checked.program.groups.values():
+        weights = [w for w in decl.weights if not checked.is_tied(w)]
+        shapes = tuple(checked.weight_shape(w) for w in weights)
+        offsets, end = [], 0
+        for shape in shapes:
+            offsets.append(end)
+            end += _numel(shape)
+        total = -(-end // devices) * devices
+        if 2 * end < total:
+            raise ValueError(f"group {decl.name} has {end} elements: split over {devices} devices, more than half "
+                             f"of its buffer would be padding. Use fewer devices.")
+        layouts[decl.name] = GroupLayout(decl.name, tuple(w.name for w in weights), shapes, tuple(offsets), end, total)
+    return layouts
+
+
+def flatten(weights: dict, layout: GroupLayout) -> jax.Array:
+    """One group's weights as its flat f32 buffer, padding zero."""
+    pieces = [jnp.asarray(weights[name], jnp.float32).reshape(-1) for name in layout.names]
+    pieces.append(jnp.zeros(layout.total - layout.extent, jnp.float32))
+    return jnp.concatenate(pieces)
+
+
+def views(flat: jax.Array, layout: GroupLayout) -> dict[str, jax.Array]:
+    """The group's weights, cut from a full flat buffer (gathered, or as saved)."""
+    return {name: jax.lax.slice_in_dim(flat, offset, offset + _numel(shape)).reshape(shape)
+            for name, shape, offset in zip(layout.names, layout.shapes, layout.offsets)}
+
+
+def shard_weights(checked: Checked, params: dict, layouts: dict[str, GroupLayout], mesh: Mesh) -> dict:
+    """The model's weights as parts split over the mesh, group by group; `params` is emptied as it goes,
+    so the model is not held twice."""
+    placement = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    parts = {}
+    for decl in checked.program.groups.values():
+        layout = layouts[decl.name]
+        if decl.repeat is None:
+            parts[decl.key] = jax.device_put(flatten(params.pop(decl.key), layout), placement)
+        else:
+            layers = params.pop(decl.key)
+            parts[decl.key] = []
+            while layers:
+                parts[decl.key].append(jax.device_put(flatten(layers.pop(0), layout), placement))
+    return parts
+
+
+def placements(tree, mesh: Mesh):
+    """Where each array of a training state lies: flat arrays (parts, and the optimizer's moments of
+    them) split over the mesh's axis, scalars (the optimizer's step count) on every device."""
+    split, everywhere = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0])), NamedSharding(mesh, PartitionSpec())
+    return jax.tree_util.tree_map(lambda leaf: split if len(leaf.shape) else everywhere, tree)
+
+
+def unshard_weights(checked: Checked, parts: dict, layouts: dict[str, GroupLayout]) -> dict:
+    """The full weights, in the card's layout (params["layers"][i]["q_proj"]), from parts."""
+    device = jax.devices()[0]
+    params = {}
+    for decl in checked.program.groups.values():
+        layout = layouts[decl.name]
+
+        def full(part):
+            return views(jax.device_put(part, device), layout)
+
+        params[decl.key] = full(parts[decl.key]) if decl.repeat is None else [full(p) for p in parts[decl.key]]
+    return params
+
+
+# Bound into the sharded source; they run inside shard_map over `axis`.
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def all_gather_cast(part: jax.Array, axis: str, dtype) -> jax.Array:
+    """Every device's part, cast to dtype, gathered into the full buffer."""
+    return jax.lax.all_gather(part.astype(dtype), axis, tiled=True)
+
+
+def _all_gather_cast_forward(part, axis, dtype):
+    return all_gather_cast(part, axis, dtype), None
+
+
+def _all_gather_cast_backward(axis, dtype, _, gradient):
+    # The full gradient of every device, summed in f32 into this device's part.
+    return (jax.lax.psum_scatter(gradient.astype(jnp.float32), axis, scatter_dimension=0, tiled=True),)
+
+
+all_gather_cast.defvjp(_all_gather_cast_forward, _all_gather_cast_backward)
+
+
+def gather(layouts: dict[str, GroupLayout], axis: str, dtype, part: jax.Array, group: str) -> dict[str, jax.Array]:
+    """One group's weights, gathered from every device, in the compute dtype."""
+    return views(all_gather_cast(part, axis, dtype), layouts[group])
+
+
+def checkpointed(remat: bool, function, *args):
+    """A layer, recomputed in the backward (with its gather) when remat, else kept."""
+    return jax.checkpoint(function)(*args) if remat else function(*args)

@@ -1,0 +1,172 @@
+"""The JAX training loop: one process over every device of a mesh, each
+device on its own packed rows, every weight fully sharded.
+
+    model = nest.load("llama-3.1-8b-instruct", backend="jax_source", entry="loss_packed", numerics="fast",
+                      generics={"Batch": 1, "MaxSeq": 4096, "T": "bf16"}, cast_dtype=True)
+    params, history = train(model, batches, optimizer=optax.adamw(1e-5), steps=30,
+                            mesh=Mesh(np.array(jax.devices()), ("data",)))
+
+A step is one jitted function: `shard_map` runs the card's sharded
+`loss_packed` on each device's rows (linnet/jax/shard.py gathers each layer's
+weights where it runs and reduce-scatters its gradient into the f32 part),
+then the optimizer updates the parts where they lie. The loss optimised and
+reported is the token-weighted mean over the whole global batch: each
+device's mean is scaled by its share of the batch's loss weight, so the
+summed gradients are those of the global mean.
+
+`train` takes over `model.params`: while it runs they are the parts; when it
+returns they are the trained weights again (as `params`, which it returns
+too), so `model.loss_packed`, `evaluate` and `model.save_weights` use them."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from functools import partial
+from typing import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from linnet.history import History, Progress, Step
+from linnet.jax import shard
+from linnet.jax.checkpoint import JaxCheckpointer
+from linnet.jax.model import JAX_DTYPES, JaxModel
+from linnet.packing import Row
+
+__all__ = ["train", "evaluate"]
+
+_FIELDS = ("tokens", "targets", "positions", "segments", "weights")
+
+
+def train(
+    model: JaxModel,
+    batches: Iterable[Row],
+    *,
+    optimizer: optax.GradientTransformation,
+    steps: int,
+    mesh: Mesh,
+    remat: bool = True,
+    on_step: Callable[[Step], None] | None = None,
+    checkpoint: str | None = None,
+    checkpoint_every: int | None = None,
+) -> tuple[dict, History]:
+    """`steps` optimizer steps, each over mesh.size x Batch rows of `batches`; returns (params, history).
+
+    remat: recompute each layer (and gather its weights again) in the backward, keeping only its input.
+    checkpoint: a folder to save into every `checkpoint_every` steps and at the end, and to resume from."""
+    _check(model, mesh)
+    axis = mesh.axis_names[0]
+    rows_a_step = mesh.size * model.generics["Batch"]
+    layouts = shard.group_layouts(model.checked, mesh.size)
+    parts = shard.shard_weights(model.checked, model.params, layouts, mesh)
+    model.params = parts
+    opt_state = jax.jit(optimizer.init, out_shardings=shard.placements(jax.eval_shape(optimizer.init, parts), mesh))(parts)
+    history = History()
+    rows: Iterator[Row] = iter(batches)
+    checkpointer = None
+    if checkpoint is not None:
+        checkpointer = JaxCheckpointer(checkpoint, model.card.name, {g: l.extent for g, l in layouts.items()})
+        history.resumed_from, parts, opt_state = checkpointer.resume(parts, opt_state)
+        if history.resumed_from:
+            rows = itertools.islice(rows, checkpointer.manifest["rows_consumed"], None)
+    step_function = _step_function(model, layouts, mesh, optimizer, remat, shard.placements((parts, opt_state), mesh))
+    placement = NamedSharding(mesh, PartitionSpec(axis))
+    report = on_step or Progress(steps, 0)
+    for step in range(history.resumed_from + 1, steps + 1):
+        chunk = list(itertools.islice(rows, rows_a_step))
+        if len(chunk) < rows_a_step:
+            raise ValueError(f"the batches ran out at step {step} of {steps}: each step takes {rows_a_step} rows "
+                             f"({mesh.size} devices x Batch {model.generics['Batch']})")
+        inputs = [jax.device_put(array, placement) for array in _stack(chunk, model.generics["MaxSeq"])]
+        start = time.perf_counter()
+        parts, opt_state, loss = step_function(parts, opt_state, *inputs)
+        loss = float(loss)  # waits for the step
+        seconds = time.perf_counter() - start
+        model.params = parts
+        weight = float(sum(row.weights.sum() for row in chunk))
+        record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state))
+        history.steps.append(record)
+        report(record)
+        if checkpointer is not None and checkpoint_every and (step % checkpoint_every == 0 or step == steps):
+            checkpointer.save(step, parts, opt_state, rows_consumed=step * rows_a_step, devices=mesh.size)
+    model.params = shard.unshard_weights(model.checked, parts, layouts)
+    return model.params, history
+
+
+def evaluate(model: JaxModel, batches: Iterable[Row]) -> float:
+    """The token-weighted mean of `model.loss_packed` over `batches`, on one device, with model.params."""
+    if "loss_packed" not in model.entries:
+        raise ValueError(f"evaluate needs the loss_packed entry; the model was loaded with entries {model.entries}")
+    batch = model.generics["Batch"]
+    rows = list(batches)
+    loss_sum = weight_sum = 0.0
+    for start in range(0, len(rows), batch):
+        chunk = rows[start:start + batch]
+        blank = chunk[0]
+        chunk += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (batch - len(chunk))
+        weight = float(sum(row.weights.sum() for row in chunk))
+        if weight:
+            loss_sum += float(model.loss_packed(*map(jnp.asarray, _stack(chunk, model.generics["MaxSeq"])))) * weight
+            weight_sum += weight
+    if weight_sum == 0:
+        raise ValueError("evaluate got no rows with loss weight")
+    return loss_sum / weight_sum
+
+
+def _check(model, mesh: Mesh) -> None:
+    if not isinstance(model, JaxModel):
+        raise TypeError(f"linnet.jax.train takes a model from nest.load(..., backend='jax_source'), "
+                        f"got {type(model).__name__}")
+    if "loss_packed" not in model.entries:
+        raise ValueError(f"train needs the loss_packed entry; the model was loaded with entries {model.entries}")
+    if not model.cast_dtype:
+        raise ValueError("train keeps f32 master parts and gathers them in the compute dtype: "
+                         "load the model with cast_dtype=True")
+    if len(mesh.axis_names) != 1:
+        raise ValueError(f"train takes a mesh of one data-parallel axis, got axes {mesh.axis_names}")
+
+
+def _stack(rows: list[Row], positions: int) -> list[np.ndarray]:
+    if len(rows[0].tokens) != positions:
+        raise ValueError(f"rows of {len(rows[0].tokens)} positions, but the model was loaded for MaxSeq {positions}: "
+                         f"pack(examples, {positions})")
+    return [np.stack([getattr(row, name) for row in rows]) for name in _FIELDS]
+
+
+def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, state_placements):
+    axis = mesh.axis_names[0]
+    dtype = JAX_DTYPES[model.generics[model.checked.program.compute_dtype]]
+    namespace = {"gather": partial(shard.gather, layouts, axis, dtype), "checkpointed": partial(shard.checkpointed, remat)}
+    loss_packed = model.execute(model.emit(sharded=True), namespace)["loss_packed"]
+
+    def device_step(parts, tokens, targets, positions, segments, weights):
+        local = jnp.sum(weights)
+        share = local / jnp.maximum(jax.lax.psum(local, axis), jnp.finfo(jnp.float32).tiny)
+
+        def scaled_loss(parts):
+            return loss_packed(parts, tokens, targets, positions, segments, weights) * share
+
+        loss, gradients = jax.value_and_grad(scaled_loss)(parts)
+        return jax.lax.psum(loss, axis), gradients
+
+    split = PartitionSpec(axis)
+    sharded_step = jax.shard_map(device_step, mesh=mesh, in_specs=(split,) * 6, out_specs=(PartitionSpec(), split),
+                                 check_vma=False)
+
+    def step(parts, opt_state, *inputs):
+        loss, gradients = sharded_step(parts, *inputs)
+        updates, opt_state = optimizer.update(gradients, opt_state, parts)
+        return optax.apply_updates(parts, updates), opt_state, loss
+
+    # The outputs are placed as the inputs were, so that the next step neither moves them nor recompiles.
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_placements, NamedSharding(mesh, PartitionSpec())))
+
+
+def _learning_rate(opt_state) -> float:
+    """The learning rate of this step where the optimizer exposes it (optax.inject_hyperparams), else NaN."""
+    found = optax.tree_utils.tree_get(opt_state, "learning_rate", default=None)
+    return float(found) if found is not None else float("nan")
