@@ -52,7 +52,7 @@ class JaxModel(LoadedModel):
         if jnp.dtype(dtype) not in names:
             raise ValueError(f"save_weights(dtype=...) takes one of {list(JAX_DTYPES.values())}, got {dtype}")
         torch_dtype = TORCH_DTYPES[names[jnp.dtype(dtype)]]
-        tensors = {name: torch.from_numpy(np.asarray(weight, np.float32)).to(torch_dtype)
+        tensors = {name: torch.from_numpy(np.array(weight, np.float32)).to(torch_dtype)
                    for name, weight in self.named_weights()}
         return write_hf_checkpoint(self.card, tensors, Path(path), torch_dtype)
 

@@ -1,0 +1,237 @@
+"""linnet.jax.train over meshes of 1, 2 and 4 CPU devices (conftest.py asks
+XLA for four): fully sharded training equals unsharded single-device
+training on the same global batch, step by step; it equals PyTorch's training
+from the same card; checkpoints resume exactly, on another mesh too; and the
+trained weights load in transformers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from jax.sharding import Mesh
+
+from hf_models import BASE, LLAMA3_SCALING, write_card
+from linnet import nest
+from linnet.jax import train as jax_train
+from linnet.packing import Example, pack
+
+ROW = 64
+STEPS = 4
+LR = 3e-3
+EPS = 1e-6  # as tests/test_fully_shard.py: Adam's floor, so ~1e-9 gradients of unseen tokens do not take full steps
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rows(count: int, seed: int = 7) -> list:
+    rng = np.random.default_rng(seed)
+    examples = [Example.prompted(rng.integers(0, 211, rng.integers(3, 20)).tolist(),
+                                 rng.integers(0, 211, rng.integers(2, 15)).tolist()) for _ in range(40 * count)]
+    packed = list(pack(examples, ROW))
+    assert len(packed) >= count
+    return packed[:count]
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def card(request, tmp_path_factory):
+    """Tiny Llamas whose groups (211 x 80 embedding, 80-wide norms) split unevenly over the devices."""
+    config = {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": request.param == "tied"}
+    return write_card(tmp_path_factory.mktemp("card"), config, LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+
+
+def load(card, batch: int = 1, dtype: str = "f32", numerics: str = "exact", weights="random"):
+    return nest.load(card, backend="jax_source", entry="loss_packed", numerics=numerics, cast_dtype=True,
+                     generics={"Batch": batch, "MaxSeq": ROW, "T": dtype}, weights=weights, seed=0)
+
+
+def mesh(devices: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:devices]), ("data",))
+
+
+def adamw():
+    return optax.adamw(LR, eps=EPS, weight_decay=0.01)
+
+
+def reference(card, batches: list, rows_a_step: int, dtype: str = "f32"):
+    """Unsharded training on one device: the loss is the weighted mean over the step's rows."""
+    model = load(card, dtype=dtype)
+    loss_packed = model.functions["loss_packed"]
+    optimizer = adamw()
+
+    def global_loss(params, chunk):
+        losses = [loss_packed(params, *(jnp.asarray(a)[None] for a in row)) for row in chunk]
+        weights = [jnp.sum(jnp.asarray(row[4])) for row in chunk]
+        return sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+
+    @jax.jit
+    def step(params, state, chunk):
+        loss, gradients = jax.value_and_grad(global_loss)(params, chunk)
+        updates, state = optimizer.update(gradients, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    params, state, losses = model.params, optimizer.init(model.params), []
+    for index in range(STEPS):
+        chunk = [(r.tokens, r.targets, r.positions, r.segments, r.weights)
+                 for r in batches[index * rows_a_step:(index + 1) * rows_a_step]]
+        params, state, loss = step(params, state, chunk)
+        losses.append(float(loss))
+    return params, losses
+
+
+def relative_error(actual, expected) -> float:
+    """‖actual − expected‖ / ‖expected‖ over a whole tensor (tests/test_fully_shard.py says why not elementwise)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def flat_weights(params) -> dict:
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def assert_same_weights(actual, expected, tolerance):
+    actual, expected = flat_weights(actual), flat_weights(expected)
+    assert actual.keys() == expected.keys()
+    worst = max((relative_error(actual[k], expected[k]), k) for k in expected)
+    assert worst[0] < tolerance, f"{worst[1]} differs by {worst[0]:.2e}"
+
+
+@pytest.mark.parametrize("devices,batch", [(1, 1), (2, 2), (4, 1)])
+def test_sharded_training_equals_one_device(card, devices, batch):
+    batches = rows(STEPS * devices * batch)
+    expected_params, expected_losses = reference(card, batches, devices * batch)
+    model = load(card, batch=batch)
+    params, history = jax_train.train(model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(devices),
+                                      remat=False, on_step=lambda step: None)
+    # f32 throughout: only the order of the sums differs (per device, then reduce-scattered).
+    np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-5)
+    assert_same_weights(params, expected_params, 1e-5)
+    assert model.params is params  # the model holds the trained weights again
+
+
+def test_remat_recomputes_the_same_step(card):
+    batches = rows(STEPS * 4)
+    kept = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4), remat=False,
+                           on_step=lambda step: None)[1]
+    recomputed = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4), remat=True,
+                                 on_step=lambda step: None)[1]
+    np.testing.assert_allclose([s.loss for s in recomputed.steps], [s.loss for s in kept.steps], rtol=1e-6)
+
+
+def test_bf16_sharded_training_follows_bf16_reference(card):
+    batches = rows(STEPS * 4)
+    _, expected = reference(card, batches, 4, dtype="bf16")
+    history = jax_train.train(load(card, dtype="bf16", numerics="fast"), batches, optimizer=adamw(), steps=STEPS,
+                              mesh=mesh(4), on_step=lambda step: None)[1]
+    # Both compute in bf16 from f32 masters, but the reference sums the rows' bf16 weight
+    # gradients in bf16 inside one backward, where the sharded step reduce-scatters each
+    # device's in f32; and "fast" attention is another kernel than "exact". Each costs
+    # about bf16's epsilon (2^-8) in the gradients, which Adam carries into the weights:
+    # the losses stay within 1% over the steps.
+    np.testing.assert_allclose([s.loss for s in history.steps], expected, rtol=1e-2)
+
+
+def test_jax_equals_pytorch_training_from_the_same_card(card, tmp_path):
+    from linnet.train import train as torch_train
+
+    torch_model = nest.load(card, backend="torch", entry="loss_packed", numerics="exact", cast_dtype=True,
+                            trainable=True, generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, weights="random", seed=0)
+    torch_model.save_weights(tmp_path / "start", dtype=torch.float32)
+    batches = rows(STEPS)
+    optimizer = torch.optim.AdamW(torch_model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
+    expected = torch_train(torch_model, iter(batches), optimizer=optimizer, steps=STEPS, on_step=lambda step: None)
+    jax_model = load(card, weights=tmp_path / "start")
+    _, history = jax_train.train(jax_model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(1),
+                                 on_step=lambda step: None)
+    # Two frameworks' f32 kernels (matmul blocking, softmax, rsqrt) round differently.
+    np.testing.assert_allclose([s.loss for s in history.steps], [s.loss for s in expected.steps], rtol=1e-4)
+
+
+def test_checkpoint_resumes_exactly_and_on_another_mesh(card, tmp_path):
+    batches = rows(STEPS * 4)
+    straight = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4),
+                               on_step=lambda step: None)
+    # Stopped after step 2 (a checkpoint at the end), then the same call for all the steps.
+    jax_train.train(load(card), batches, optimizer=adamw(), steps=2, mesh=mesh(4), on_step=lambda step: None,
+                    checkpoint=tmp_path / "run", checkpoint_every=100)
+    params, resumed = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4),
+                                      on_step=lambda step: None, checkpoint=tmp_path / "run", checkpoint_every=100)
+    assert resumed.resumed_from == 2 and [s.step for s in resumed.steps] == [3, 4]
+    np.testing.assert_array_equal([s.loss for s in resumed.steps], [s.loss for s in straight[1].steps[2:]])
+    assert_same_weights(params, straight[0], 1e-7)
+    # The step-2 checkpoint, resumed over 2 devices of 2 rows each: the same global batch, re-split parts.
+    for later in (tmp_path / "run").glob("step-00000004"):
+        for file in later.iterdir():
+            file.unlink()
+        later.rmdir()
+    _, two = jax_train.train(load(card, batch=2), batches, optimizer=adamw(), steps=3, mesh=mesh(2),
+                             on_step=lambda step: None, checkpoint=tmp_path / "run", checkpoint_every=100)
+    assert two.resumed_from == 2
+    np.testing.assert_allclose(two.steps[0].loss, straight[1].steps[2].loss, rtol=1e-5)
+
+
+def test_corrupt_checkpoint_is_passed_over(card, tmp_path):
+    batches = rows(STEPS)
+    jax_train.train(load(card), batches, optimizer=adamw(), steps=2, mesh=mesh(1), on_step=lambda step: None,
+                    checkpoint=tmp_path / "run", checkpoint_every=1)
+    state = tmp_path / "run" / "step-00000002" / "state.npz"
+    state.write_bytes(state.read_bytes()[:-100])  # truncated, as by a full disk
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, history = jax_train.train(load(card), batches, optimizer=adamw(), steps=3, mesh=mesh(1),
+                                     on_step=lambda step: None, checkpoint=tmp_path / "run", checkpoint_every=100)
+    assert history.resumed_from == 1
+    assert any("step-00000002" in str(w.message) and "truncated" in str(w.message) for w in caught)
+
+
+def test_trained_weights_load_in_transformers(card, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = load(card)
+    batches = rows(STEPS * 2)
+    jax_train.train(model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(2), on_step=lambda step: None)
+    model.save_weights(tmp_path / "trained", dtype=jnp.float32)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32, attn_implementation="eager").eval()
+    rng = np.random.default_rng(3)
+    document = Example.prompted(rng.integers(0, 211, 12).tolist(), rng.integers(0, 211, 9).tolist())
+    (alone,) = pack([document], ROW)  # one document, then padding of zero weight
+    span = slice(0, alone.filled)
+    with torch.no_grad():
+        logits = hf(torch.from_numpy(alone.tokens[span]).long()[None]).logits[0].double()
+    losses = torch.nn.functional.cross_entropy(logits, torch.from_numpy(alone.targets[span]).long(), reduction="none")
+    weights = torch.from_numpy(alone.weights[span]).double()
+    expected = float((losses * weights).sum() / weights.sum())
+    assert jax_train.evaluate(model, [alone]) == pytest.approx(expected, rel=1e-4)
+
+
+def test_errors_name_the_problem(card, tmp_path):
+    batches = rows(4)
+    two_axes = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    with pytest.raises(ValueError, match="one data-parallel axis"):
+        jax_train.train(load(card), batches, optimizer=adamw(), steps=1, mesh=two_axes)
+    uncast = nest.load(card, backend="jax_source", entry="loss_packed", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
+                       weights="random")
+    with pytest.raises(ValueError, match="cast_dtype=True"):
+        jax_train.train(uncast, batches, optimizer=adamw(), steps=1, mesh=mesh(1))
+    with pytest.raises(ValueError, match="ran out at step 2 of 3"):
+        jax_train.train(load(card), batches, optimizer=adamw(), steps=3, mesh=mesh(4), on_step=lambda step: None)
+    with pytest.raises(ValueError, match="MaxSeq 64"):
+        jax_train.train(load(card), list(pack([Example.prompted([1, 2], [3])], 32)), optimizer=adamw(), steps=1,
+                        mesh=mesh(1))
+
+
+def test_sft_jax_example_runs_offline(tmp_path):
+    command = [sys.executable, "examples/07-fsdp/sft_jax.py", "--card", "tiny-llama", "--data",
+               "examples/07-fsdp/data/tasks.jsonl", "--tokens", "256", "--steps", "5", "--lr", "3e-3",
+               "--out", str(tmp_path / "weights")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "positions/s on 4 devices" in result.stdout and "held-out loss" in result.stdout
+    assert (tmp_path / "weights" / "model.safetensors").exists()
