@@ -22,6 +22,8 @@ run() {  # name, then the command; keeps going when one fails
 }
 run linnet-1b torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-1b --steps 30
 run fsdp2-1b torchrun --nproc_per_node=1 benchmarks/peers/fsdp2_baseline.py --shape 1b --steps 30
+run linnet-jax-1b python3 benchmarks/step_jax.py --card llama-3.2-1b --steps 30 --no-remat
 [ "${1:-}" = quick ] && exit 0
 run linnet-8b torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.1-8b --steps 10 --recompute full
+run linnet-jax-8b env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 benchmarks/step_jax.py --card llama-3.1-8b --steps 10
 run fsdp2-8b-ac torchrun --nproc_per_node=1 benchmarks/peers/fsdp2_baseline.py --shape 8b --ac --steps 10

@@ -7,17 +7,16 @@ probe (benchmarks/peers/fsdp2_baseline.py) measures its peer: one packed
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from common import flops_per_token, parameters, random_rows
+
 from linnet import nest
-from linnet.packing import Row
 from linnet.torch import fully_shard
 from linnet.train import train
 
@@ -40,32 +39,14 @@ model = nest.load(args.card, backend="torch", device=device, numerics="fast",
                   cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
 fully_shard(model, recompute=args.recompute)
 optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
-vocab = model.checked.dims["Vocab"]
-
-
-def random_rows():
-    rng = np.random.default_rng(rank)
-    n = args.tokens
-    while True:
-        tokens = rng.integers(0, 32000, n, dtype=np.int32)
-        yield Row(tokens=tokens, targets=np.roll(tokens, -1), positions=np.arange(n, dtype=np.int32),
-                  segments=np.zeros(n, np.int32), weights=np.r_[np.ones(n - 1, np.float32), 0.0].astype(np.float32),
-                  filled=n)
-
-
 torch.cuda.reset_peak_memory_stats()
-history = train(model, random_rows(), optimizer=optimizer, steps=args.steps, on_step=lambda s: rank == 0 and print(
+history = train(model, random_rows(rank, args.tokens, model.checked.dims["Vocab"]), optimizer=optimizer, steps=args.steps, on_step=lambda s: rank == 0 and print(
     f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True))
 step = statistics.median(s.seconds for s in history.steps[3:])
-parameters = sum(math.prod(s.shape) for s in model.specs())
-checked = model.checked
-layers, d, seq = checked.dims["Layers"], checked.dims["D"], args.tokens
-tied = bool(checked.consts["tied"])
-matmul_params = parameters if tied else parameters - vocab * d  # the embedding lookup is no matrix product
-flops_token = 6 * matmul_params + 6 * layers * seq * d
+seq = args.tokens
 result = dict(card=args.card, world=world, recompute=args.recompute, compiled=not args.no_compile,
-              params=parameters, step_s=round(step, 4), tok_s=round(world * seq / step),
-              tflops_gpu=round(flops_token * seq / step / 1e12, 1),
+              params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
+              tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
               first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]], setup_s=round(time.perf_counter() - start, 1))
 if rank == 0:

@@ -83,6 +83,7 @@ class Checkpointer:
         final = None
         if rank == 0:
             manifest = {
+                "framework": "torch",
                 "card": self.model.card.name,
                 "step": step,
                 "world": world,
@@ -106,6 +107,7 @@ class Checkpointer:
             return 0
         folder = self.folder / choice
         manifest = checkpoint_folder.read_manifest(folder)
+        checkpoint_folder.check_framework(manifest, "torch", folder)
         if manifest["card"] != self.model.card.name or manifest["layouts"] != self.layouts:
             raise ValueError(f"checkpoint {folder} holds a run of {manifest['card']} with other layouts; "
                              f"this model is {self.model.card.name}: point checkpoint= at another folder")

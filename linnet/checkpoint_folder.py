@@ -35,7 +35,11 @@ def begin(partial: Path) -> None:
     """Makes `partial` a fresh, empty folder (one process calls it), whatever an earlier crash left there."""
     if partial.exists():
         shutil.rmtree(partial)
+    created = not partial.parent.exists()
     partial.mkdir(parents=True)
+    _fsync_dir(partial.parent)
+    if created:
+        _fsync_dir(partial.parent.parent)
 
 
 def describe(path: Path) -> tuple[str, int, str]:
@@ -56,13 +60,29 @@ def commit(folder: Path, partial: Path, manifest: dict, files: list[tuple[str, i
         os.fsync(f.fileno())
     _fsync_dir(partial)
     final = folder / partial.name.removesuffix(".partial")
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(partial, final)
+    if final.exists():  # the same step saved again: the old one goes aside first, never half-deleted in place
+        aside = folder / f"{final.name}.old"
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+        os.rename(partial, final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(partial, final)
     _fsync_dir(folder)
-    for old in sorted(folder.glob("step-????????"))[:-keep]:
-        shutil.rmtree(old)
+    _prune(folder, final, keep)
     return final
+
+
+def _prune(folder: Path, newest: Path, keep: int) -> None:
+    """Keeps `newest` and the complete checkpoints before it, `keep` in all; drops older ones and
+    the leftovers of interrupted writes before it. A later or damaged folder is left for a person."""
+    complete = [c for c in sorted(folder.glob("step-????????")) if c.name < newest.name and (c / MANIFEST).is_file()]
+    for old in complete[: max(0, len(complete) - (keep - 1))]:
+        shutil.rmtree(old)
+    for leftover in [*folder.glob("step-????????.partial"), *folder.glob("step-????????.old")]:
+        if leftover.name[: len(newest.name)] < newest.name:
+            shutil.rmtree(leftover)
 
 
 def latest(folder: Path) -> Path | None:
@@ -83,6 +103,15 @@ def read_manifest(checkpoint: Path) -> dict:
     return json.loads((checkpoint / MANIFEST).read_text())
 
 
+def check_framework(manifest: dict, framework: str, checkpoint: Path) -> None:
+    """Raises unless the checkpoint was written by a run of `framework` ("torch" or "jax")."""
+    found = manifest.get("framework", "torch")  # the first PyTorch checkpoints did not say
+    if found != framework:
+        names = {"torch": "PyTorch", "jax": "JAX"}
+        raise ValueError(f"checkpoint {checkpoint} was written by a {names.get(found, found)} run; a "
+                         f"{names[framework]} run resumes only from its own: point checkpoint= at another folder")
+
+
 def find_problem(checkpoint: Path) -> str | None:
     """What is wrong with a checkpoint folder, or None."""
     manifest_path = checkpoint / MANIFEST
@@ -90,14 +119,17 @@ def find_problem(checkpoint: Path) -> str | None:
         return f"no {MANIFEST} (incomplete)"
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         return f"{MANIFEST} is unreadable ({error})"
-    if manifest.get("format") != FORMAT:
-        return f"format {manifest.get('format')}, expected {FORMAT}"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"{MANIFEST} is not format {FORMAT}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(e, dict) and {"bytes", "sha256"} <= e.keys()
+                                              for e in files.values()):
+        return f"{MANIFEST} lists its files wrongly (expected name -> bytes and sha256)"
     for name, expected in files.items():
         path = checkpoint / name
-        if not path.exists():
+        if not path.is_file():
             return f"{name} is missing"
         size = path.stat().st_size
         if size != expected["bytes"]:

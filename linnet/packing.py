@@ -63,6 +63,16 @@ class Row:
     weights: np.ndarray  # float32
     filled: int  # positions that hold documents; the rest is padding
 
+    def check_ids(self, vocab: int, where: str) -> None:
+        """Raises if a token or target is not an id of a vocabulary of `vocab` (an embedding would
+        read past its table: an error on one device, NaN or garbage on another)."""
+        for name in ("tokens", "targets"):
+            ids = getattr(self, name)
+            bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+            if bad.size:
+                raise ValueError(f"{where}: {name}[{bad[0]}] = {ids[bad[0]]} is not a token id of the model, "
+                                 f"whose vocabulary has {vocab}")
+
 
 @dataclass
 class _Piece:

@@ -76,7 +76,8 @@ def train(
     checkpoint: str | None = None,
     checkpoint_every: int | None = None,
 ) -> History:
-    """`steps` optimizer steps over `batches` (this rank's rows); resumes from `checkpoint` if it holds one."""
+    """`steps` optimizer steps over `batches` (this rank's rows); resumes from `checkpoint` if it holds one,
+    and saves into it every `checkpoint_every` steps (if given) and after the last."""
     from linnet.checkpoint import Checkpointer
 
     _check_model(model)
@@ -84,9 +85,13 @@ def train(
     history = History()
     rows: Iterator[Row] = iter(batches)
     checkpointer = Checkpointer(checkpoint, model, optimizer, schedule) if checkpoint is not None else None
+    rows_consumed = 0  # global rows, over all ranks and every run that led here
     if checkpointer is not None:
         history.resumed_from = checkpointer.resume()
+        if history.resumed_from > steps:
+            raise ValueError(f"the checkpoint in {checkpoint} is at step {history.resumed_from}, past steps={steps}")
         rows = itertools.islice(rows, checkpointer.rows_to_skip(history.resumed_from, rank, world), None)
+        rows_consumed = checkpointer.manifest["rows_consumed"] if history.resumed_from else 0
     report = on_step or Progress(steps, rank)
     device = model.device
     for step in range(history.resumed_from + 1, steps + 1):
@@ -100,6 +105,7 @@ def train(
         if ranks_with_a_row < world:
             raise ValueError(f"{world - int(ranks_with_a_row)} of {world} ranks ran out of rows at step {step} "
                              f"of {steps}: give every rank at least {steps} rows")
+        row.check_ids(model.checked.dims["Vocab"], f"step {step}, rank {rank}")
         inputs = _row_tensors(row, device)
         loss = model.loss_packed(*inputs)
         # scaled so that the gradients summed over ranks are those of the global weighted mean
@@ -114,8 +120,9 @@ def train(
         record = Step(step, loss_sum / max(total_weight, 1e-12), seconds, world * len(row.tokens), total_weight, lr)
         history.steps.append(record)
         report(record)
-        if checkpointer is not None and checkpoint_every and (step % checkpoint_every == 0 or step == steps):
-            checkpointer.save(step, rows_consumed=step * world)
+        rows_consumed += world
+        if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
+            checkpointer.save(step, rows_consumed=rows_consumed)
     return history
 
 
@@ -133,7 +140,8 @@ def evaluate(model, batches: Iterable[Row]) -> float:
     elif most:
         raise ValueError("evaluate: this rank got no rows while others did; give every rank at least one")
     loss_sum = weight_sum = 0.0
-    for row in rows:
+    for index, row in enumerate(rows):
+        row.check_ids(model.checked.dims["Vocab"], f"evaluate, row {index} of rank {_world()[0]}")
         weight = float(row.weights.sum())
         loss_sum += float(model.loss_packed(*_row_tensors(row, device))) * weight
         weight_sum += weight

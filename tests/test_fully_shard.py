@@ -179,3 +179,17 @@ def test_clear_errors(card):
     assert "already sharded" in twice and "cast_dtype=True" in uncast and 'recompute must be "gather" or "full"' in policy
     with pytest.raises(ValueError, match="group Head has 80 elements: split over 64 ranks"):
         _check_split(GroupLayout("Head", ("norm",), ((80,),), (0,), 1024, 16), 64)
+
+
+def test_a_token_outside_the_vocabulary_is_named():
+    from linnet.train import evaluate, train
+
+    model = nest.load("tiny-llama", entry="loss_packed", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
+                      cast_dtype=True, trainable=True)
+    outside = rows(1)[0]
+    outside.targets = outside.targets.copy()
+    outside.targets[3] = 512  # tiny-llama's vocabulary is 0..511
+    with pytest.raises(ValueError, match=r"step 1, rank 0: targets\[3\] = 512 is not a token id .* 512"):
+        train(model, [outside], optimizer=torch.optim.AdamW(model.parameters()), steps=1, on_step=lambda step: None)
+    with pytest.raises(ValueError, match=r"evaluate, row 0 of rank 0: targets\[3\] = 512"):
+        evaluate(model, [outside])

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from hf_models import BASE, LLAMA3_SCALING, write_card
 from linnet import nest
+from linnet.jax import shard
 from linnet.jax import train as jax_train
 from linnet.packing import Example, pack
 
@@ -60,11 +61,11 @@ def adamw():
     return optax.adamw(LR, eps=EPS, weight_decay=0.01)
 
 
-def reference(card, batches: list, rows_a_step: int, dtype: str = "f32"):
+def reference(card, batches: list, rows_a_step: int, dtype: str = "f32", steps: int = STEPS, optimizer=None):
     """Unsharded training on one device: the loss is the weighted mean over the step's rows."""
     model = load(card, dtype=dtype)
     loss_packed = model.functions["loss_packed"]
-    optimizer = adamw()
+    optimizer = optimizer or adamw()
 
     def global_loss(params, chunk):
         losses = [loss_packed(params, *(jnp.asarray(a)[None] for a in row)) for row in chunk]
@@ -78,7 +79,7 @@ def reference(card, batches: list, rows_a_step: int, dtype: str = "f32"):
         return optax.apply_updates(params, updates), state, loss
 
     params, state, losses = model.params, optimizer.init(model.params), []
-    for index in range(STEPS):
+    for index in range(steps):
         chunk = [(r.tokens, r.targets, r.positions, r.segments, r.weights)
                  for r in batches[index * rows_a_step:(index + 1) * rows_a_step]]
         params, state, loss = step(params, state, chunk)
@@ -103,7 +104,7 @@ def assert_same_weights(actual, expected, tolerance):
     assert worst[0] < tolerance, f"{worst[1]} differs by {worst[0]:.2e}"
 
 
-@pytest.mark.parametrize("devices,batch", [(1, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("devices,batch", [(1, 1), (2, 2), (3, 1), (4, 1)])  # 3: every group padded
 def test_sharded_training_equals_one_device(card, devices, batch):
     batches = rows(STEPS * devices * batch)
     expected_params, expected_losses = reference(card, batches, devices * batch)
@@ -125,17 +126,32 @@ def test_remat_recomputes_the_same_step(card):
     np.testing.assert_allclose([s.loss for s in recomputed.steps], [s.loss for s in kept.steps], rtol=1e-6)
 
 
+def test_remat_wraps_the_layer_in_jax_checkpoint():
+    def layer(x):
+        return jnp.sin(x) * 2
+
+    def jaxpr(remat):
+        return str(jax.make_jaxpr(jax.grad(lambda x: shard.checkpointed(remat, layer, x)))(1.0))
+
+    assert "checkpoint" in jaxpr(True) or "remat" in jaxpr(True)
+    assert "checkpoint" not in jaxpr(False) and "remat" not in jaxpr(False)
+
+
 def test_bf16_sharded_training_follows_bf16_reference(card):
-    batches = rows(STEPS * 4)
-    _, expected = reference(card, batches, 4, dtype="bf16")
-    history = jax_train.train(load(card, dtype="bf16", numerics="fast"), batches, optimizer=adamw(), steps=STEPS,
+    steps = 8
+    batches = rows(4) * steps  # the same four rows each step: the loss falls far, and any error in the
+    optimizer = optax.adamw(1e-2, eps=EPS)
+    _, expected = reference(card, batches, 4, dtype="bf16", steps=steps, optimizer=optimizer)  # gradients shows
+    history = jax_train.train(load(card, dtype="bf16", numerics="fast"), batches, optimizer=optimizer, steps=steps,
                               mesh=mesh(4), on_step=lambda step: None)[1]
+    losses = [s.loss for s in history.steps]
     # Both compute in bf16 from f32 masters, but the reference sums the rows' bf16 weight
     # gradients in bf16 inside one backward, where the sharded step reduce-scatters each
     # device's in f32; and "fast" attention is another kernel than "exact". Each costs
     # about bf16's epsilon (2^-8) in the gradients, which Adam carries into the weights:
-    # the losses stay within 1% over the steps.
-    np.testing.assert_allclose([s.loss for s in history.steps], expected, rtol=1e-2)
+    # the losses stay within 3%, while they fall by far more than that.
+    assert losses[-1] < 0.7 * losses[0]
+    np.testing.assert_allclose(losses, expected, rtol=3e-2)
 
 
 def test_jax_equals_pytorch_training_from_the_same_card(card, tmp_path):
@@ -154,34 +170,71 @@ def test_jax_equals_pytorch_training_from_the_same_card(card, tmp_path):
     np.testing.assert_allclose([s.loss for s in history.steps], [s.loss for s in expected.steps], rtol=1e-4)
 
 
-def test_checkpoint_resumes_exactly_and_on_another_mesh(card, tmp_path):
+def test_checkpoint_resumes_exactly(card, tmp_path):
     batches = rows(STEPS * 4)
     straight = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4),
                                on_step=lambda step: None)
-    # Stopped after step 2 (a checkpoint at the end), then the same call for all the steps.
+    # Stopped after step 2 (saved at the end: no checkpoint_every), then the same call for all the steps.
     jax_train.train(load(card), batches, optimizer=adamw(), steps=2, mesh=mesh(4), on_step=lambda step: None,
-                    checkpoint=tmp_path / "run", checkpoint_every=100)
+                    checkpoint=tmp_path / "run")
     params, resumed = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4),
-                                      on_step=lambda step: None, checkpoint=tmp_path / "run", checkpoint_every=100)
+                                      on_step=lambda step: None, checkpoint=tmp_path / "run")
     assert resumed.resumed_from == 2 and [s.step for s in resumed.steps] == [3, 4]
     np.testing.assert_array_equal([s.loss for s in resumed.steps], [s.loss for s in straight[1].steps[2:]])
     assert_same_weights(params, straight[0], 1e-7)
-    # The step-2 checkpoint, resumed over 2 devices of 2 rows each: the same global batch, re-split parts.
-    for later in (tmp_path / "run").glob("step-00000004"):
-        for file in later.iterdir():
-            file.unlink()
-        later.rmdir()
-    _, two = jax_train.train(load(card, batch=2), batches, optimizer=adamw(), steps=3, mesh=mesh(2),
-                             on_step=lambda step: None, checkpoint=tmp_path / "run", checkpoint_every=100)
-    assert two.resumed_from == 2
-    np.testing.assert_allclose(two.steps[0].loss, straight[1].steps[2].loss, rtol=1e-5)
+
+
+def test_checkpoint_resumes_on_another_mesh(card, tmp_path):
+    """Saved on 4 devices of 3 rows, resumed on 3 devices of 4: the same global batch, every part re-padded,
+    the optimizer's moments with them, and the data position counted in rows, not steps."""
+    batches = rows(12 * 5)
+    straight = jax_train.train(load(card, batch=3), batches, optimizer=adamw(), steps=5, mesh=mesh(4),
+                               on_step=lambda step: None)
+    jax_train.train(load(card, batch=3), batches, optimizer=adamw(), steps=2, mesh=mesh(4), on_step=lambda step: None,
+                    checkpoint=tmp_path / "run")
+    jax_train.train(load(card, batch=4), batches, optimizer=adamw(), steps=4, mesh=mesh(3), on_step=lambda step: None,
+                    checkpoint=tmp_path / "run")
+    params, last = jax_train.train(load(card, batch=3), batches, optimizer=adamw(), steps=5, mesh=mesh(4),
+                                   on_step=lambda step: None, checkpoint=tmp_path / "run")
+    assert last.resumed_from == 4
+    np.testing.assert_allclose(last.steps[0].loss, straight[1].steps[4].loss, rtol=1e-5)
+    assert_same_weights(params, straight[0], 1e-5)
+
+
+def test_checkpoints_of_the_other_framework_are_refused(card, tmp_path):
+    from linnet.train import train as torch_train
+
+    batches = rows(2)
+    jax_train.train(load(card), batches, optimizer=adamw(), steps=1, mesh=mesh(1), on_step=lambda step: None,
+                    checkpoint=tmp_path / "jax")
+    torch_model = nest.load(card, entry="loss_packed", cast_dtype=True, trainable=True, weights="random",
+                            generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"})
+    with pytest.raises(ValueError, match="written by a JAX run; a PyTorch run resumes only from its own"):
+        torch_train(torch_model, iter(batches), optimizer=torch.optim.AdamW(torch_model.parameters()), steps=2,
+                    checkpoint=tmp_path / "jax", on_step=lambda step: None)
+    torch_train(torch_model, iter(batches), optimizer=torch.optim.AdamW(torch_model.parameters()), steps=1,
+                checkpoint=tmp_path / "torch", on_step=lambda step: None)
+    with pytest.raises(ValueError, match="written by a PyTorch run; a JAX run resumes only from its own"):
+        jax_train.train(load(card), batches, optimizer=adamw(), steps=2, mesh=mesh(1), checkpoint=tmp_path / "torch")
+
+
+def test_bf16_optimizer_state_is_checkpointed(card, tmp_path):
+    optimizer = optax.adamw(LR, eps=EPS, mu_dtype=jnp.bfloat16)
+    batches = rows(3 * 2)
+    straight = jax_train.train(load(card), batches, optimizer=optimizer, steps=3, mesh=mesh(2),
+                               on_step=lambda step: None)[1]
+    jax_train.train(load(card), batches, optimizer=optimizer, steps=2, mesh=mesh(2), on_step=lambda step: None,
+                    checkpoint=tmp_path / "run")
+    resumed = jax_train.train(load(card), batches, optimizer=optimizer, steps=3, mesh=mesh(2),
+                              on_step=lambda step: None, checkpoint=tmp_path / "run")[1]
+    assert resumed.steps[0].loss == straight.steps[2].loss
 
 
 def test_corrupt_checkpoint_is_passed_over(card, tmp_path):
     batches = rows(STEPS)
     jax_train.train(load(card), batches, optimizer=adamw(), steps=2, mesh=mesh(1), on_step=lambda step: None,
                     checkpoint=tmp_path / "run", checkpoint_every=1)
-    state = tmp_path / "run" / "step-00000002" / "state.npz"
+    state = tmp_path / "run" / "step-00000002" / "array-00000.npy"
     state.write_bytes(state.read_bytes()[:-100])  # truncated, as by a full disk
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -220,8 +273,24 @@ def test_errors_name_the_problem(card, tmp_path):
                        weights="random")
     with pytest.raises(ValueError, match="cast_dtype=True"):
         jax_train.train(uncast, batches, optimizer=adamw(), steps=1, mesh=mesh(1))
+    model = load(card)
     with pytest.raises(ValueError, match="ran out at step 2 of 3"):
-        jax_train.train(load(card), batches, optimizer=adamw(), steps=3, mesh=mesh(4), on_step=lambda step: None)
+        jax_train.train(model, batches, optimizer=adamw(), steps=3, mesh=mesh(4), on_step=lambda step: None)
+    assert model.params["layers"][0]["q_proj"].shape == (80, 80)  # whole weights again, trained one step
+    assert np.isfinite(jax_train.evaluate(model, batches))
+
+    def evaluate_while_training(step):
+        jax_train.evaluate(model, batches)
+
+    with pytest.raises(RuntimeError, match="evaluate: test-llama's weights are parts of a running linnet.jax.train"):
+        jax_train.train(model, batches, optimizer=adamw(), steps=1, mesh=mesh(4), on_step=evaluate_while_training)
+    outside = rows(1)[0]
+    outside.tokens = outside.tokens.copy()
+    outside.tokens[5] = 999
+    with pytest.raises(ValueError, match=r"step 1, row 0: tokens\[5\] = 999 is not a token id .* 211"):
+        jax_train.train(load(card), [outside], optimizer=adamw(), steps=1, mesh=mesh(1))
+    with pytest.raises(ValueError, match=r"evaluate, row 0: tokens\[5\] = 999"):
+        jax_train.evaluate(load(card), [outside])
     with pytest.raises(ValueError, match="MaxSeq 64"):
         jax_train.train(load(card), list(pack([Example.prompted([1, 2], [3])], 32)), optimizer=adamw(), steps=1,
                         mesh=mesh(1))

@@ -23,6 +23,7 @@ class JaxModel(LoadedModel):
     def __init__(self, card, checked, *, generics, numerics, cast_dtype, entries):
         compute = JAX_DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = jnp.float32 if cast_dtype else compute
+        self.training_mesh = None  # set while linnet.jax.train holds the weights as parts
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
 
     def _compile(self, function):
@@ -41,8 +42,15 @@ class JaxModel(LoadedModel):
 
         return draw
 
+    def check_whole(self, doing: str) -> None:
+        """Raises while linnet.jax.train holds the weights as parts (from an on_step, say)."""
+        if self.training_mesh is not None:
+            raise RuntimeError(f"{doing}: {self.card.name}'s weights are parts of a running linnet.jax.train; "
+                               f"call it after train returns")
+
     def save_weights(self, path, dtype=jnp.bfloat16) -> Path:
         """One SafeTensors file under Hugging Face names, and the config.json transformers loads it with."""
+        self.check_whole("save_weights")
         import torch
 
         from linnet.export import write_hf_checkpoint
@@ -55,6 +63,9 @@ class JaxModel(LoadedModel):
         tensors = {name: torch.from_numpy(np.array(weight, np.float32)).to(torch_dtype)
                    for name, weight in self.named_weights()}
         return write_hf_checkpoint(self.card, tensors, Path(path), torch_dtype)
+
+    def _check_placement(self, entry: str, inputs) -> None:
+        self.check_whole(f"{entry}()")
 
     def _kind(self, array) -> str:
         return "float" if jnp.issubdtype(array.dtype, jnp.floating) else "int"

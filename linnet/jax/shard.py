@@ -99,24 +99,30 @@ def shard_weights(checked: Checked, params: dict, layouts: dict[str, GroupLayout
     return parts
 
 
-def placements(tree, mesh: Mesh):
-    """Where each array of a training state lies: flat arrays (parts, and the optimizer's moments of
-    them) split over the mesh's axis, scalars (the optimizer's step count) on every device."""
+def placements(tree, parts, mesh: Mesh):
+    """Where each array of a training state lies: the parts, and any array shaped as a part (an
+    optimizer's moments), split over the mesh's axis; everything else (a step count, an optimizer's
+    factored statistics) on every device."""
     split, everywhere = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0])), NamedSharding(mesh, PartitionSpec())
-    return jax.tree_util.tree_map(lambda leaf: split if len(leaf.shape) else everywhere, tree)
+    part_shapes = {tuple(part.shape) for part in jax.tree_util.tree_leaves(parts)}
+    return jax.tree_util.tree_map(lambda leaf: split if tuple(leaf.shape) in part_shapes else everywhere, tree)
 
 
 def unshard_weights(checked: Checked, parts: dict, layouts: dict[str, GroupLayout]) -> dict:
-    """The full weights, in the card's layout (params["layers"][i]["q_proj"]), from parts."""
+    """The full weights, in the card's layout (params["layers"][i]["q_proj"]), on the first device;
+    `parts` is emptied as it goes, so the model is not held twice."""
     device = jax.devices()[0]
     params = {}
     for decl in checked.program.groups.values():
         layout = layouts[decl.name]
 
         def full(part):
-            return views(jax.device_put(part, device), layout)
+            weights = views(jax.device_put(part, device), layout)
+            part.delete()
+            return weights
 
-        params[decl.key] = full(parts[decl.key]) if decl.repeat is None else [full(p) for p in parts[decl.key]]
+        group = parts.pop(decl.key)
+        params[decl.key] = full(group) if decl.repeat is None else [full(group.pop(0)) for _ in range(len(group))]
     return params
 
 

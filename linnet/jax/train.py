@@ -57,48 +57,66 @@ def train(
     """`steps` optimizer steps, each over mesh.size x Batch rows of `batches`; returns (params, history).
 
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input.
-    checkpoint: a folder to save into every `checkpoint_every` steps and at the end, and to resume from."""
+    checkpoint: a folder to resume from, and to save into every `checkpoint_every` steps (if given) and after
+        the last."""
     _check(model, mesh)
     axis = mesh.axis_names[0]
-    rows_a_step = mesh.size * model.generics["Batch"]
+    batch = model.generics["Batch"]
+    rows_a_step = mesh.size * batch
     layouts = shard.group_layouts(model.checked, mesh.size)
     parts = shard.shard_weights(model.checked, model.params, layouts, mesh)
-    model.params = parts
-    opt_state = jax.jit(optimizer.init, out_shardings=shard.placements(jax.eval_shape(optimizer.init, parts), mesh))(parts)
-    history = History()
-    rows: Iterator[Row] = iter(batches)
-    checkpointer = None
-    if checkpoint is not None:
-        checkpointer = JaxCheckpointer(checkpoint, model.card.name, {g: l.extent for g, l in layouts.items()})
-        history.resumed_from, parts, opt_state = checkpointer.resume(parts, opt_state)
-        if history.resumed_from:
-            rows = itertools.islice(rows, checkpointer.manifest["rows_consumed"], None)
-    step_function = _step_function(model, layouts, mesh, optimizer, remat, shard.placements((parts, opt_state), mesh))
-    placement = NamedSharding(mesh, PartitionSpec(axis))
-    report = on_step or Progress(steps, 0)
-    for step in range(history.resumed_from + 1, steps + 1):
-        chunk = list(itertools.islice(rows, rows_a_step))
-        if len(chunk) < rows_a_step:
-            raise ValueError(f"the batches ran out at step {step} of {steps}: each step takes {rows_a_step} rows "
-                             f"({mesh.size} devices x Batch {model.generics['Batch']})")
-        inputs = [jax.device_put(array, placement) for array in _stack(chunk, model.generics["MaxSeq"])]
-        start = time.perf_counter()
-        parts, opt_state, loss = step_function(parts, opt_state, *inputs)
-        loss = float(loss)  # waits for the step
-        seconds = time.perf_counter() - start
-        model.params = parts
-        weight = float(sum(row.weights.sum() for row in chunk))
-        record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state))
-        history.steps.append(record)
-        report(record)
-        if checkpointer is not None and checkpoint_every and (step % checkpoint_every == 0 or step == steps):
-            checkpointer.save(step, parts, opt_state, rows_consumed=step * rows_a_step, devices=mesh.size)
-    model.params = shard.unshard_weights(model.checked, parts, layouts)
+    model.params, model.training_mesh = parts, mesh
+    opt_state = None
+    try:
+        opt_state = jax.jit(optimizer.init, out_shardings=shard.placements(
+            jax.eval_shape(optimizer.init, parts), parts, mesh))(parts)
+        history = History()
+        rows: Iterator[Row] = iter(batches)
+        rows_consumed = 0  # over every run that led here
+        checkpointer = None
+        if checkpoint is not None:
+            checkpointer = JaxCheckpointer(checkpoint, model.card.name, {g: l.extent for g, l in layouts.items()},
+                                           rows_a_step)
+            history.resumed_from, parts, opt_state = checkpointer.resume(parts, opt_state)
+            if history.resumed_from > steps:
+                raise ValueError(f"the checkpoint in {checkpoint} is at step {history.resumed_from}, past steps={steps}")
+            if history.resumed_from:
+                rows_consumed = checkpointer.manifest["rows_consumed"]
+                rows = itertools.islice(rows, rows_consumed, None)
+        step_function = _step_function(model, layouts, mesh, optimizer, remat,
+                                       shard.placements((parts, opt_state), parts, mesh))
+        placement = NamedSharding(mesh, PartitionSpec(axis))
+        report = on_step or Progress(steps, 0)
+        for step in range(history.resumed_from + 1, steps + 1):
+            chunk = list(itertools.islice(rows, rows_a_step))
+            if len(chunk) < rows_a_step:
+                raise ValueError(f"the batches ran out at step {step} of {steps}: each step takes {rows_a_step} rows "
+                                 f"({mesh.size} devices x Batch {batch})")
+            for index, row in enumerate(chunk):
+                row.check_ids(model.checked.dims["Vocab"], f"step {step}, row {index}")
+            inputs = [jax.device_put(array, placement) for array in _stack(chunk, model.generics["MaxSeq"])]
+            start = time.perf_counter()
+            parts, opt_state, loss = step_function(parts, opt_state, *inputs)
+            loss = float(loss)  # waits for the step
+            seconds = time.perf_counter() - start
+            model.params = parts
+            rows_consumed += rows_a_step
+            weight = float(sum(row.weights.sum() for row in chunk))
+            record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state))
+            history.steps.append(record)
+            report(record)
+            if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
+                checkpointer.save(step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size)
+    finally:  # however the run ends, the model holds whole weights again (the state goes first, to make room)
+        del opt_state
+        model.params = shard.unshard_weights(model.checked, parts, layouts)
+        model.training_mesh = None
     return model.params, history
 
 
 def evaluate(model: JaxModel, batches: Iterable[Row]) -> float:
     """The token-weighted mean of `model.loss_packed` over `batches`, on one device, with model.params."""
+    model.check_whole("evaluate")
     if "loss_packed" not in model.entries:
         raise ValueError(f"evaluate needs the loss_packed entry; the model was loaded with entries {model.entries}")
     batch = model.generics["Batch"]
@@ -106,6 +124,8 @@ def evaluate(model: JaxModel, batches: Iterable[Row]) -> float:
     loss_sum = weight_sum = 0.0
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
+        for index, row in enumerate(chunk):
+            row.check_ids(model.checked.dims["Vocab"], f"evaluate, row {start + index}")
         blank = chunk[0]
         chunk += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (batch - len(chunk))
         weight = float(sum(row.weights.sum() for row in chunk))
@@ -126,6 +146,8 @@ def _check(model, mesh: Mesh) -> None:
     if not model.cast_dtype:
         raise ValueError("train keeps f32 master parts and gathers them in the compute dtype: "
                          "load the model with cast_dtype=True")
+    if jax.process_count() != 1:
+        raise ValueError(f"train drives every device from one process; this is one of {jax.process_count()}")
     if len(mesh.axis_names) != 1:
         raise ValueError(f"train takes a mesh of one data-parallel axis, got axes {mesh.axis_names}")
 
@@ -154,8 +176,7 @@ def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool,
         return jax.lax.psum(loss, axis), gradients
 
     split = PartitionSpec(axis)
-    sharded_step = jax.shard_map(device_step, mesh=mesh, in_specs=(split,) * 6, out_specs=(PartitionSpec(), split),
-                                 check_vma=False)
+    sharded_step = jax.shard_map(device_step, mesh=mesh, in_specs=(split,) * 6, out_specs=(PartitionSpec(), split))
 
     def step(parts, opt_state, *inputs):
         loss, gradients = sharded_step(parts, *inputs)
@@ -168,5 +189,5 @@ def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool,
 
 def _learning_rate(opt_state) -> float:
     """The learning rate of this step where the optimizer exposes it (optax.inject_hyperparams), else NaN."""
-    found = optax.tree_utils.tree_get(opt_state, "learning_rate", default=None)
-    return float(found) if found is not None else float("nan")
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+    return float(found[0][1]) if found else float("nan")

@@ -1,0 +1,45 @@
+"""linnet.jax.train's step on random weights and tokens, measured as
+benchmarks/step.py measures the PyTorch one: one packed 4096-token row a
+device a step, every local device in the mesh, median step after warm-up,
+tokens/s, peak memory.
+
+    python benchmarks/step_jax.py --card llama-3.2-1b --steps 30 [--no-remat]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from common import flops_per_token, parameters, random_rows
+
+from linnet import nest
+from linnet.jax.train import train
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--card", default="llama-3.2-1b")
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--tokens", type=int, default=4096)
+parser.add_argument("--no-remat", dest="remat", action="store_false")
+args = parser.parse_args()
+
+start = time.perf_counter()
+model = nest.load(args.card, backend="jax_source", entry="loss_packed", numerics="fast",
+                  generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"}, cast_dtype=True, weights="random")
+mesh = Mesh(np.array(jax.devices()), ("data",))
+count, seq = parameters(model), args.tokens
+_, history = train(model, random_rows(0, seq, model.checked.dims["Vocab"]), optimizer=optax.adamw(1e-5, weight_decay=0.0), steps=args.steps,
+                   mesh=mesh, remat=args.remat,
+                   on_step=lambda s: print(f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True))
+step = statistics.median(s.seconds for s in history.steps[3:])
+peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices())
+result = dict(card=args.card, devices=mesh.size, remat=args.remat, params=count, step_s=round(step, 4),
+              tok_s=round(mesh.size * seq / step), tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
+              peak_gib=round(peak / 2**30, 2), first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]],
+              setup_s=round(time.perf_counter() - start, 1))
+print("RESULT " + json.dumps(result), flush=True)
