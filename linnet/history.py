@@ -19,7 +19,7 @@ class Step:
     seconds: float
     tokens: int  # positions in the global batch
     loss_tokens: float  # loss weight in the global batch (answer tokens, for prompted examples)
-    lr: float
+    lr: float  # NaN where the optimizer does not expose it (optax without inject_hyperparams)
 
 
 @dataclass
