@@ -304,3 +304,15 @@ def test_sft_jax_example_runs_offline(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "positions/s on 4 devices" in result.stdout and "held-out loss" in result.stdout
     assert (tmp_path / "weights" / "model.safetensors").exists()
+
+
+def test_an_optimizer_state_not_shaped_as_the_parts_trains_and_resumes(card, tmp_path):
+    optimizer = optax.adafactor(1e-2)  # on flat parts: placeholder statistics of shape (1,) beside each moment
+    batches = rows(3 * 4)
+    straight = jax_train.train(load(card), batches, optimizer=optimizer, steps=3, mesh=mesh(4),
+                               on_step=lambda step: None)[1]
+    jax_train.train(load(card), batches, optimizer=optimizer, steps=2, mesh=mesh(4), on_step=lambda step: None,
+                    checkpoint=tmp_path / "run")
+    resumed = jax_train.train(load(card), batches, optimizer=optimizer, steps=3, mesh=mesh(4),
+                              on_step=lambda step: None, checkpoint=tmp_path / "run")[1]
+    assert resumed.steps[0].loss == straight.steps[2].loss

@@ -104,8 +104,8 @@ def placements(tree, parts, mesh: Mesh):
     optimizer's moments), split over the mesh's axis; everything else (a step count, an optimizer's
     factored statistics) on every device."""
     split, everywhere = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0])), NamedSharding(mesh, PartitionSpec())
-    part_shapes = {tuple(part.shape) for part in jax.tree_util.tree_leaves(parts)}
-    return jax.tree_util.tree_map(lambda leaf: split if tuple(leaf.shape) in part_shapes else everywhere, tree)
+    part_shapes = {tuple(part.shape) for part in jax.tree.leaves(parts)}
+    return jax.tree.map(lambda leaf: split if tuple(leaf.shape) in part_shapes else everywhere, tree)
 
 
 def unshard_weights(checked: Checked, parts: dict, layouts: dict[str, GroupLayout]) -> dict:
