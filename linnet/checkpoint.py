@@ -80,7 +80,6 @@ class Checkpointer:
         }
         torch.save(state, path)
         files = _gather_objects(checkpoint_folder.describe(path))
-        final = None
         if rank == 0:
             manifest = {
                 "framework": "torch",
@@ -92,9 +91,9 @@ class Checkpointer:
                 "layouts": self.layouts,
                 "parts": [self.part_index[id(p)] for p in self.params],
             }
-            final = checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep, default=_jsonable)
+            checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep, default=_jsonable)
         _barrier()
-        return final
+        return self.folder / checkpoint_folder.step_name(step)
 
     # Resuming.
 
