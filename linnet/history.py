@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Step", "History", "Progress"]
+__all__ = ["History", "Progress", "Step"]
 
 
 @dataclass(frozen=True)

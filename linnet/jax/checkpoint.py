@@ -70,7 +70,7 @@ class JaxCheckpointer:
                              f"point checkpoint= at another folder")
         differ = [g for g in self.extents if manifest["extents"].get(g) != self.extents[g]]
         if differ or manifest["extents"].keys() != self.extents.keys():
-            group = differ[0] if differ else sorted(manifest["extents"].keys() ^ self.extents.keys())[0]
+            group = differ[0] if differ else min(manifest["extents"].keys() ^ self.extents.keys())
             raise ValueError(f"checkpoint {folder} holds group {group} with {manifest['extents'].get(group)} elements, "
                              f"this run's has {self.extents.get(group)}: another card configuration")
         if manifest["rows_a_step"] != self.rows_a_step:

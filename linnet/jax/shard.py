@@ -112,17 +112,19 @@ def unshard_weights(checked: Checked, parts: dict, layouts: dict[str, GroupLayou
     """The full weights, in the card's layout (params["layers"][i]["q_proj"]), on the first device;
     `parts` is emptied as it goes, so the model is not held twice."""
     device = jax.devices()[0]
+
+    def full(part, layout):
+        weights = views(jax.device_put(part, device), layout)
+        part.delete()
+        return weights
+
     params = {}
     for decl in checked.program.groups.values():
-        layout = layouts[decl.name]
-
-        def full(part):
-            weights = views(jax.device_put(part, device), layout)
-            part.delete()
-            return weights
-
-        group = parts.pop(decl.key)
-        params[decl.key] = full(group) if decl.repeat is None else [full(group.pop(0)) for _ in range(len(group))]
+        layout, group = layouts[decl.name], parts.pop(decl.key)
+        if decl.repeat is None:
+            params[decl.key] = full(group, layout)
+        else:
+            params[decl.key] = [full(group.pop(0), layout) for _ in range(len(group))]
     return params
 
 

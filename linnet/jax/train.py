@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from functools import partial
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from linnet.jax.checkpoint import JaxCheckpointer
 from linnet.jax.model import JAX_DTYPES, JaxModel
 from linnet.packing import Row
 
-__all__ = ["train", "evaluate"]
+__all__ = ["evaluate", "train"]
 
 _FIELDS = ("tokens", "targets", "positions", "segments", "weights")
 
