@@ -17,24 +17,31 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-at::Tensor call_all_gather(
+std::tuple<at::Tensor, at::Tensor> call_all_gather(
     const at::Tensor& part,
     at::ScalarType dtype,
     int64_t group_size,
     const std::string& group_name) {
-  static auto handle =
-      op<at::Tensor(const at::Tensor&, at::ScalarType, int64_t, std::string)>("linnet::all_gather");
-  return handle.call(part, dtype, group_size, group_name);
+  static auto handle = op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, at::ScalarType, int64_t, std::string, std::string, std::optional<at::ScalarType>)>(
+      "linnet::all_gather");
+  return handle.call(part, dtype, group_size, group_name, "sum", std::nullopt);
 }
 
 at::Tensor call_reduce_scatter(
     const at::Tensor& full,
     const std::string& reduce_op,
+    at::ScalarType reduce_dtype,
     int64_t group_size,
     const std::string& group_name) {
-  static auto handle =
-      op<at::Tensor(const at::Tensor&, std::string, int64_t, std::string)>("linnet::reduce_scatter");
-  return handle.call(full, reduce_op, group_size, group_name);
+  static auto handle = op<at::Tensor(const at::Tensor&, std::string, at::ScalarType, int64_t, std::string)>(
+      "linnet::reduce_scatter");
+  return handle.call(full, reduce_op, reduce_dtype, group_size, group_name);
+}
+
+at::Tensor call_after(const at::Tensor& x, at::TensorList forward_deps, at::TensorList backward_deps) {
+  static auto handle = op<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList)>("linnet::after");
+  return handle.call(x, forward_deps, backward_deps);
 }
 
 class Flatten : public torch::autograd::Function<Flatten> {
@@ -98,29 +105,36 @@ class Shard : public torch::autograd::Function<Shard> {
 
 class AllGather : public torch::autograd::Function<AllGather> {
  public:
-  static at::Tensor forward(
+  static variable_list forward(
       AutogradContext* ctx,
       const at::Tensor& part,
       at::ScalarType dtype,
       int64_t group_size,
-      const std::string& group_name) {
+      const std::string& group_name,
+      const std::string& reduce_op,
+      std::optional<at::ScalarType> reduce_dtype) {
     ctx->saved_data["part_dtype"] = static_cast<int64_t>(part.scalar_type());
     ctx->saved_data["group_size"] = group_size;
     ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["reduce_op"] = reduce_op;
+    ctx->saved_data["reduce_dtype"] = static_cast<int64_t>(reduce_dtype.value_or(at::kFloat));
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_all_gather(part, dtype, group_size, group_name);
+    auto [gathered, token] = call_all_gather(part, dtype, group_size, group_name);
+    ctx->mark_non_differentiable({token});
+    return {gathered, token};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // Every rank used the whole gathered tensor: a part's gradient is the sum
-    // over ranks of the gradient of its slot, reduced in f32.
+    // (or mean) over ranks of the gradient of its slot, in f32.
     at::Tensor grad = wait(call_reduce_scatter(
         grads[0].contiguous(),
-        "sum",
+        ctx->saved_data["reduce_op"].toStringRef(),
+        static_cast<at::ScalarType>(ctx->saved_data["reduce_dtype"].toInt()),
         ctx->saved_data["group_size"].toInt(),
         ctx->saved_data["group_name"].toStringRef()));
     auto part_dtype = static_cast<at::ScalarType>(ctx->saved_data["part_dtype"].toInt());
-    return {grad.to(part_dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad.to(part_dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -130,6 +144,7 @@ class ReduceScatter : public torch::autograd::Function<ReduceScatter> {
       AutogradContext* ctx,
       const at::Tensor& full,
       const std::string& reduce_op,
+      at::ScalarType reduce_dtype,
       int64_t group_size,
       const std::string& group_name) {
     ctx->saved_data["full_dtype"] = static_cast<int64_t>(full.scalar_type());
@@ -137,7 +152,7 @@ class ReduceScatter : public torch::autograd::Function<ReduceScatter> {
     ctx->saved_data["group_size"] = group_size;
     ctx->saved_data["group_name"] = group_name;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_reduce_scatter(full, reduce_op, group_size, group_name);
+    return call_reduce_scatter(full, reduce_op, reduce_dtype, group_size, group_name);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -145,9 +160,71 @@ class ReduceScatter : public torch::autograd::Function<ReduceScatter> {
     auto full_dtype = static_cast<at::ScalarType>(ctx->saved_data["full_dtype"].toInt());
     // Scaled in f32, before the gather casts to the full tensor's dtype.
     at::Tensor part = ctx->saved_data["avg"].toBool() ? grads[0] / group_size : grads[0];
-    at::Tensor grad = wait(call_all_gather(
-        part.contiguous(), full_dtype, group_size, ctx->saved_data["group_name"].toStringRef()));
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor grad = wait(std::get<0>(call_all_gather(
+        part.contiguous(), full_dtype, group_size, ctx->saved_data["group_name"].toStringRef())));
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The wait of a gather launched from a detached part: the gradient reaches
+// the part from here, reduce-scattered and un-waited, so that the backward
+// launches the reduce-scatter as soon as the layer's weight gradients exist
+// (this node's place) and its caller decides where to wait for it.
+class WaitGathered : public torch::autograd::Function<WaitGathered> {
+ public:
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& gathered,
+      const at::Tensor& part,
+      const std::string& reduce_op,
+      at::ScalarType reduce_dtype,
+      int64_t group_size,
+      const std::string& group_name) {
+    TORCH_CHECK(
+        part.scalar_type() == at::kFloat,
+        "wait_gathered: the part must be float32 (its gradient is handed on un-waited, so it cannot be cast), got ",
+        part.scalar_type());
+    ctx->saved_data["reduce_op"] = reduce_op;
+    ctx->saved_data["reduce_dtype"] = static_cast<int64_t>(reduce_dtype);
+    ctx->saved_data["group_size"] = group_size;
+    ctx->saved_data["group_name"] = group_name;
+    // Below autograd this is _c10d_functional::wait_tensor, which compilers know.
+    return wait(gathered);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor part_grad = call_reduce_scatter(
+        grads[0].contiguous(),
+        ctx->saved_data["reduce_op"].toStringRef(),
+        static_cast<at::ScalarType>(ctx->saved_data["reduce_dtype"].toInt()),
+        ctx->saved_data["group_size"].toInt(),
+        ctx->saved_data["group_name"].toStringRef());
+    return {at::Tensor(), part_grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// A copy that orders: the forward runs once forward_deps exist, the backward
+// (a copy of the gradient) once backward_deps exist. Only backward_deps are
+// kept for the backward; the dependencies get no gradient.
+class After : public torch::autograd::Function<After> {
+ public:
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& x,
+      at::TensorList forward_deps,
+      at::TensorList backward_deps) {
+    ctx->saved_data["forward_deps"] = static_cast<int64_t>(forward_deps.size());
+    ctx->save_for_backward(backward_deps.vec());
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_after(x, forward_deps, backward_deps);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list backward_deps = ctx->get_saved_variables();
+    variable_list result = {call_after(grads[0], backward_deps, {})};
+    size_t deps = ctx->saved_data["forward_deps"].toInt() + backward_deps.size();
+    result.resize(1 + deps);
+    return result;
   }
 };
 
@@ -178,13 +255,38 @@ TORCH_LIBRARY_IMPL(linnet, Autograd, m) {
   });
   m.impl(
       "all_gather",
-      [](const at::Tensor& part, at::ScalarType dtype, int64_t group_size, std::string group_name) {
-        return linnet::AllGather::apply(part, dtype, group_size, group_name);
+      [](const at::Tensor& part,
+         at::ScalarType dtype,
+         int64_t group_size,
+         std::string group_name,
+         std::string reduce_op,
+         std::optional<at::ScalarType> reduce_dtype) {
+        auto outputs = linnet::AllGather::apply(part, dtype, group_size, group_name, reduce_op, reduce_dtype);
+        return std::make_tuple(outputs[0], outputs[1]);
       });
   m.impl(
       "reduce_scatter",
-      [](const at::Tensor& full, std::string reduce_op, int64_t group_size, std::string group_name) {
-        return linnet::ReduceScatter::apply(full, reduce_op, group_size, group_name);
+      [](const at::Tensor& full,
+         std::string reduce_op,
+         at::ScalarType reduce_dtype,
+         int64_t group_size,
+         std::string group_name) {
+        return linnet::ReduceScatter::apply(full, reduce_op, reduce_dtype, group_size, group_name);
+      });
+  m.impl(
+      "after",
+      [](const at::Tensor& x, at::TensorList forward_deps, at::TensorList backward_deps) {
+        return linnet::After::apply(x, forward_deps, backward_deps);
       });
   m.impl("wait", [](const at::Tensor& tensor) { return linnet::Wait::apply(tensor); });
+  m.impl(
+      "wait_gathered",
+      [](const at::Tensor& gathered,
+         const at::Tensor& part,
+         std::string reduce_op,
+         at::ScalarType reduce_dtype,
+         int64_t group_size,
+         std::string group_name) {
+        return linnet::WaitGathered::apply(gathered, part, reduce_op, reduce_dtype, group_size, group_name);
+      });
 }

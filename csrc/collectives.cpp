@@ -39,6 +39,33 @@ WorkPtr reduce_scatter_sum(at::Tensor& output, at::Tensor& input, const GroupPtr
   return std::get<1>(op.call(output, input, group, sum, /*async_op=*/true, /*timeout=*/-1));
 }
 
+// The work of a reduction done in a narrower dtype than its result: waiting
+// for it waits for the collective, then casts into the result on the waiting
+// (current) stream, so that the result is never read before it is complete.
+class CastWhenDone : public c10d::Work {
+ public:
+  CastWhenDone(WorkPtr collective, at::Tensor reduced, at::Tensor result)
+      : collective_(std::move(collective)), reduced_(std::move(reduced)), result_(std::move(result)) {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    bool done = collective_->wait(timeout);
+    if (reduced_.defined()) {
+      result_.copy_(reduced_);
+      reduced_.reset();
+    }
+    return done;
+  }
+
+  bool isCompleted() override {
+    return collective_->isCompleted() && !reduced_.defined();
+  }
+
+ private:
+  WorkPtr collective_;
+  at::Tensor reduced_;
+  at::Tensor result_;
+};
+
 GroupPtr resolve_group(const char* op, const std::string& group_name, int64_t group_size) {
   GroupPtr group = c10d::resolve_process_group(group_name);
   TORCH_CHECK(
@@ -56,7 +83,7 @@ GroupPtr resolve_group(const char* op, const std::string& group_name, int64_t gr
 
 }  // namespace
 
-at::Tensor all_gather(
+std::tuple<at::Tensor, at::Tensor> all_gather(
     const at::Tensor& part,
     at::ScalarType dtype,
     int64_t group_size,
@@ -71,9 +98,10 @@ at::Tensor all_gather(
       dtype);
   int64_t part_size = part.numel();
   at::Tensor output = at::empty({part_size * group_size}, part.options().dtype(dtype));
+  at::Tensor token = at::empty({0}, part.options());
   if (group_size == 1) {
     copy(part, output, 1.0);
-    return output;
+    return {output, token};
   }
   GroupPtr group = resolve_group("all_gather", group_name, group_size);
   // Cast straight into this rank's slot; the gather then runs in place.
@@ -81,12 +109,13 @@ at::Tensor all_gather(
   copy(part, slot, 1.0);
   WorkPtr work = allgather_base(output, slot, group);
   c10d::register_work(output, work);
-  return output;
+  return {output, token};
 }
 
 at::Tensor reduce_scatter(
     const at::Tensor& full,
     const std::string& reduce_op,
+    at::ScalarType reduce_dtype,
     int64_t group_size,
     const std::string& group_name,
     CopyCastPad copy) {
@@ -104,6 +133,10 @@ at::Tensor reduce_scatter(
       "reduce_scatter: reduce_op must be \"sum\" or \"avg\", got \"",
       reduce_op,
       "\"");
+  TORCH_CHECK(
+      at::isFloatingType(reduce_dtype),
+      "reduce_scatter: expected a floating reduce dtype (float32 or bfloat16), got ",
+      reduce_dtype);
   // avg scales each rank's contribution before a sum: one code path for
   // every backend (Gloo lacks AVG), fused into the cast.
   double scale = reduce_op == "avg" ? 1.0 / static_cast<double>(group_size) : 1.0;
@@ -113,14 +146,42 @@ at::Tensor reduce_scatter(
     return part;
   }
   GroupPtr group = resolve_group("reduce_scatter", group_name, group_size);
-  at::Tensor input = full;
-  if (full.scalar_type() != at::kFloat || scale != 1.0 || !full.is_contiguous()) {
-    input = at::empty({full.numel()}, part.options());
-    copy(full, input, scale);
+  // Always a buffer of our own: the caller (or inductor, which reuses dead
+  // buffers by name) may free or overwrite `full` as soon as this returns.
+  at::Tensor input = at::empty({full.numel()}, full.options().dtype(reduce_dtype));
+  copy(full, input, scale);
+  if (reduce_dtype == at::kFloat) {
+    c10d::register_work(part, reduce_scatter_sum(part, input, group));
+    return part;
   }
-  WorkPtr work = reduce_scatter_sum(part, input, group);
-  c10d::register_work(part, work);
+  at::Tensor reduced = at::empty({part.numel()}, input.options());
+  WorkPtr work = reduce_scatter_sum(reduced, input, group);
+  c10d::register_work(part, c10::make_intrusive<CastWhenDone>(std::move(work), std::move(reduced), part));
   return part;
+}
+
+at::Tensor wait_gathered(
+    const at::Tensor& gathered,
+    const at::Tensor& part,
+    const std::string& reduce_op,
+    at::ScalarType reduce_dtype,
+    int64_t group_size,
+    const std::string& group_name) {
+  TORCH_CHECK(
+      gathered.dim() == 1 && part.dim() == 1 && gathered.numel() == part.numel() * group_size,
+      "wait_gathered: expected a gathered buffer of group_size (",
+      group_size,
+      ") x the part's ",
+      part.numel(),
+      " elements, got ",
+      gathered.sizes(),
+      " and a part of ",
+      part.sizes());
+  return wait(gathered);
+}
+
+at::Tensor after(const at::Tensor& x, at::TensorList forward_deps, at::TensorList backward_deps) {
+  return x.clone();
 }
 
 at::Tensor wait(const at::Tensor& tensor) {

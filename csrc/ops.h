@@ -18,15 +18,25 @@ using CopyCastPad = void (*)(const at::Tensor& src, const at::Tensor& dst, doubl
 
 at::Tensor flatten(at::TensorList tensors, at::IntArrayRef offsets, int64_t total, CopyCastPad copy);
 at::Tensor shard(const at::Tensor& flat, int64_t rank, int64_t world, CopyCastPad copy);
-at::Tensor all_gather(
+// Launches the gather of every rank's part, cast to `dtype`, and returns
+// (gathered, token): `gathered` is valid once waited; `token` is an empty
+// tensor made by the same call, which code that orders other work after this
+// launch can depend on without keeping `gathered` alive.
+std::tuple<at::Tensor, at::Tensor> all_gather(
     const at::Tensor& part,
     at::ScalarType dtype,
     int64_t group_size,
     const std::string& group_name,
     CopyCastPad copy);
+// Launches the reduce-scatter of `full` in `reduce_dtype` and returns this
+// rank's part in f32, valid once waited (a narrower reduction is cast when
+// waited for). The collective reads
+// only a buffer this call allocates, so nothing the caller frees or reuses
+// can be in flight.
 at::Tensor reduce_scatter(
     const at::Tensor& full,
     const std::string& reduce_op,
+    at::ScalarType reduce_dtype,
     int64_t group_size,
     const std::string& group_name,
     CopyCastPad copy);
@@ -34,6 +44,22 @@ at::Tensor reduce_scatter(
 // Returns `tensor` once the collective that produces it has finished (the
 // dispatcher's _c10d_functional::wait_tensor).
 at::Tensor wait(const at::Tensor& tensor);
+
+// `gathered` once its gather has finished; the autograd formula
+// (csrc/autograd.cpp) reduce-scatters its gradient into `part`, un-waited.
+at::Tensor wait_gathered(
+    const at::Tensor& gathered,
+    const at::Tensor& part,
+    const std::string& reduce_op,
+    at::ScalarType reduce_dtype,
+    int64_t group_size,
+    const std::string& group_name);
+
+// A copy of `x`, made once every tensor of forward_deps exists; its gradient
+// is a copy of the incoming gradient, made once every tensor of
+// backward_deps exists (csrc/autograd.cpp). Generated code orders
+// communication with these dependencies (linnet/emit/schedule.py).
+at::Tensor after(const at::Tensor& x, at::TensorList forward_deps, at::TensorList backward_deps);
 
 std::vector<at::Tensor> group_views(
     const at::Tensor& flat,
@@ -56,13 +82,23 @@ void register_kernels(torch::Library& m) {
   });
   m.impl(
       "all_gather",
-      [](const at::Tensor& part, at::ScalarType dtype, int64_t group_size, std::string group_name) {
+      [](const at::Tensor& part,
+         at::ScalarType dtype,
+         int64_t group_size,
+         std::string group_name,
+         std::string /*reduce_op*/,
+         std::optional<at::ScalarType> /*reduce_dtype*/) {
+        // The reduce settings are the gradient's (csrc/autograd.cpp).
         return all_gather(part, dtype, group_size, group_name, copy);
       });
   m.impl(
       "reduce_scatter",
-      [](const at::Tensor& full, std::string reduce_op, int64_t group_size, std::string group_name) {
-        return reduce_scatter(full, reduce_op, group_size, group_name, copy);
+      [](const at::Tensor& full,
+         std::string reduce_op,
+         at::ScalarType reduce_dtype,
+         int64_t group_size,
+         std::string group_name) {
+        return reduce_scatter(full, reduce_op, reduce_dtype, group_size, group_name, copy);
       });
 }
 

@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
                              help="bind a generic (default: Batch=1, MaxSeq=4096, T=bf16 for what is not given)")
         command.add_argument("--cast-dtype", action="store_true", help="f32 master weights cast to T where used")
         command.add_argument("--fully-shard", action="store_true", help="the sharded form: each group gathered where first used")
+        if backend == "torch":
+            command.add_argument("--prefetch", type=int, default=1, metavar="LAYERS",
+                                 help="with --fully-shard: how many layers' gathers run ahead (default 1)")
     args = parser.parse_args(argv)
     if args.command == "cards":
         for name in cards.shipped():
@@ -42,12 +45,18 @@ def main(argv: list[str] | None = None) -> int:
         name, _, value = item.partition("=")
         generics[name] = int(value) if value.isdigit() else value
     generics = bind_generics(checked, generics)
+    schedule = None
     if args.command == "torch":
         from linnet.emit.torch_backend import TORCH as backend
+
+        if args.fully_shard:
+            from linnet.emit.schedule import Schedule
+
+            schedule = Schedule(args.prefetch)
     else:
         from linnet.emit.jax_backend import JAX as backend
     sys.stdout.write(emit(checked, backend, card_name=card.name, generics=generics, numerics=args.numerics,
-                          cast_dtype=args.cast_dtype, entries=args.entry, sharded=args.fully_shard))
+                          cast_dtype=args.cast_dtype, entries=args.entry, sharded=args.fully_shard, schedule=schedule))
     return 0
 
 

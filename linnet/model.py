@@ -27,9 +27,9 @@ class LoadedModel(ABC):
 
     # Generated code.
 
-    def emit(self, sharded: bool = False) -> str:
-        return emit(self.checked, self.backend, card_name=self.card.name, generics=self.generics,
-                    numerics=self.numerics, cast_dtype=self.cast_dtype, entries=self.entries, sharded=sharded)
+    def emit(self, sharded: bool = False, schedule=None) -> str:
+        return emit(self.checked, self.backend, card_name=self.card.name, generics=self.generics, numerics=self.numerics,
+                    cast_dtype=self.cast_dtype, entries=self.entries, sharded=sharded, schedule=schedule)
 
     def _install(self, source: str, namespace: dict) -> None:
         """Executes generated source and makes its entries this model's."""

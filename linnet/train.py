@@ -5,8 +5,8 @@
 
 The loss optimised and reported is the token-weighted mean over the whole
 global batch (every rank's row): each rank's mean is scaled by its share of
-the batch's loss weight before the backward, so the summed gradients the
-reduce-scatter gives are the gradients of the global mean."""
+the batch's loss weight, times the world size, before the backward, so the
+gradients the reduce-scatter averages over ranks are those of the global mean."""
 
 from __future__ import annotations
 
@@ -108,8 +108,8 @@ def train(
         row.check_ids(model.checked.dims["Vocab"], f"step {step}, rank {rank}")
         inputs = _row_tensors(row, device)
         loss = model.loss_packed(*inputs)
-        # scaled so that the gradients summed over ranks are those of the global weighted mean
-        (loss * (local_weight / max(total_weight, 1e-12))).backward()
+        # scaled so that the gradients averaged over ranks are those of the global weighted mean
+        (loss * (world * local_weight / max(total_weight, 1e-12))).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]

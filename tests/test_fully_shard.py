@@ -114,12 +114,12 @@ def state_bytes(model, optimizer) -> int:
     return total
 
 
-def one_step(model, world: int = 1):
-    """One AdamW step on the same row in every rank (the global mean is that row's loss: hence / world)."""
+def one_step(model):
+    """One AdamW step on the same row in every rank: the mean of the ranks' losses is that row's."""
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, eps=EPS)
     row = rows(1)[0]
     loss = model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")])
-    (loss / world).backward()
+    loss.backward()
     optimizer.step()
     return optimizer
 
@@ -128,7 +128,7 @@ def memory_and_export(rank: int, world: int, card, folder: str):
     from linnet.torch import fully_shard
 
     model = fully_shard(load(card))
-    held = state_bytes(model, one_step(model, world))
+    held = state_bytes(model, one_step(model))
     model.save_weights(folder, dtype=torch.float32)
     return held
 

@@ -9,20 +9,32 @@ The order is fixed:
      head) in one flat buffer, aligned and padded to divide by the world;
   3. keep this rank's part of each buffer and drop the full weights, group by
      group, so the model is never held twice;
-  4. regenerate the entries with `gather` and `checkpointed` bound: the
-     backward of a gather reduce-scatters the gradient into the f32 part, and
-     each layer's gathered weights are not kept for the backward (ZeRO-3): the
-     backward gathers them again."""
+  4. regenerate the entries under a communication schedule
+     (linnet/emit/schedule.py: each layer's gather launched `prefetch` layers
+     ahead) with the functions it calls bound here: the backward of a gather
+     reduce-scatters the gradient into the f32 part, and each layer's gathered
+     weights are not kept for the backward (ZeRO-3): the backward gathers them
+     again.
+
+Compiled (torch.compile), the schedule is the graph's: launches, waits and
+the `after` dependencies are nodes, each launch in a checkpoint region of its
+own so that the backward launches it again rather than keep its buffer.
+Eager, the same source runs each gather where it is waited for, in the
+layer's checkpointed region, and waits for each reduce-scatter at once: a
+checkpointed region must run the same ops when the backward recomputes it,
+and a gather launched outside it would be kept, as its argument, until then."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from linnet.emit.schedule import Schedule
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
 
@@ -58,6 +70,8 @@ class Sharding:
     layouts: dict  # card group name -> GroupLayout
     recompute: str
     compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype  # what gradients are reduce-scattered in
+    schedule: Schedule
 
 
 def _numel(shape) -> int:
@@ -67,18 +81,28 @@ def _numel(shape) -> int:
     return n
 
 
-def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, recompute: str = "gather") -> TorchModel:
+def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, recompute: str = "gather",
+                prefetch: int = 1, reduce_dtype: torch.dtype = torch.float32) -> TorchModel:
     """Shards `model` in place over `group` (default: the default process group) and returns it.
 
     recompute: "gather" keeps each layer's activations and gathers its weights
     again in the backward; "full" recomputes each layer in the backward, keeping
     only its input.
+    prefetch: how many layers' gathers run ahead of the layer computing (0: each
+    gather is launched where it is waited for).
+    reduce_dtype: the dtype gradients are reduce-scattered in: float32 (as
+    FSDP2's default), or bfloat16 for half the bytes. Either way the parts'
+    gradients are f32, and they are the gradient of the mean of the ranks'
+    losses (as DDP and FSDP2 give).
     """
     match recompute:
         case "gather" | "full":
             pass
         case _:
             raise ValueError(f'recompute must be "gather" or "full", got {recompute!r}')
+    if reduce_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"reduce_dtype must be torch.float32 or torch.bfloat16, got {reduce_dtype}")
+    schedule = Schedule(prefetch)
     if not isinstance(model, TorchModel):
         raise TypeError(f"fully_shard takes a model from nest.load(..., backend='torch'), got {type(model).__name__}")
     if getattr(model, "sharding", None) is not None:
@@ -108,9 +132,9 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, re
             parts[decl.key] = [_shard_group(layers[i], layout, rank, world, model.trainable) for i in range(len(layers))]
             del layers
     model.params = parts
-    model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype)
-    namespace = {"gather": partial(_gather, model.sharding), "checkpointed": partial(_checkpointed, recompute)}
-    model._install(model.emit(sharded=True), namespace)
+    model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
+                              reduce_dtype if world > 1 else torch.float32, schedule)
+    model._install(model.emit(schedule=schedule), _bindings(model.sharding))
     return model
 
 
@@ -145,12 +169,95 @@ def _shard_group(weights: dict, layout: GroupLayout, rank: int, world: int, trai
     return torch.nn.Parameter(part, requires_grad=trainable)
 
 
-def _gather(sharding: Sharding, part: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
-    """One group's weights, gathered from every rank, in the compute dtype."""
+def _bindings(sharding: Sharding) -> dict:
+    """What the sharded source calls (linnet/emit/schedule.py says where)."""
+    return {
+        "gather": partial(_gather, sharding),
+        "launch_gather": partial(_launch_gather, sharding),
+        "wait_gather": partial(_wait_gather, sharding),
+        "launch_of": _launch_of,
+        "hold": _hold,
+        "after": _after,
+        "checkpointed": partial(_checkpointed, sharding.recompute),
+    }
+
+
+def _all_gather(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.all_gather(part, sharding.compute_dtype, sharding.world, sharding.group_name, reduce_op="avg",
+                          reduce_dtype=sharding.reduce_dtype)
+
+
+def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
     layout = sharding.layouts[group]
-    full = ops.wait(ops.all_gather(part, sharding.compute_dtype, sharding.world, sharding.group_name))
-    views = ops.group_views(full, list(layout.offsets), layout.shapes)
-    return dict(zip(layout.names, views))
+    return dict(zip(layout.names, ops.group_views(full, list(layout.offsets), layout.shapes)))
+
+
+def _gather(sharding: Sharding, part: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
+    """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once."""
+    return _views(sharding, ops.wait(_all_gather(sharding, part)[0]), group)
+
+
+class Launched(NamedTuple):
+    """A gather in flight in compiled code: graph values, whose lifetimes the graph decides."""
+
+    part: torch.Tensor  # what the gradient goes to (the launch reads it detached)
+    gathered: torch.Tensor  # valid once waited for
+    token: torch.Tensor  # made by the launch: what work ordered after it depends on
+
+
+class Pending(NamedTuple):
+    """A gather in eager code: launched where it is waited for."""
+
+    part: torch.Tensor
+
+
+class _Hold(torch.autograd.Function):
+    """(x, part), passed through; in the backward, the part's gradient (arriving un-waited from
+    the reduce-scatter that `wait_gathered` launched) is waited for as x's gradient passes."""
+
+    @staticmethod
+    def forward(ctx, x, part):
+        return x.view_as(x), part.view_as(part)
+
+    @staticmethod
+    def backward(ctx, x_gradient, part_gradient):
+        return x_gradient, None if part_gradient is None else ops.wait(part_gradient)
+
+
+def _hold(x: torch.Tensor, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _Hold.apply(x, part) if torch.compiler.is_compiling() else (x, part)
+
+
+def _launch(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.all_gather(part.detach(), sharding.compute_dtype, sharding.world, sharding.group_name)
+
+
+def _launch_gather(sharding: Sharding, part: torch.Tensor, group: str) -> Launched | Pending:
+    if not torch.compiler.is_compiling():
+        return Pending(part)
+    # A region of its own, so that the launch is recomputed in the backward (where its token is
+    # first needed) rather than its buffer kept from the forward.
+    gathered, token = checkpoint(_launch, sharding, part, use_reentrant=False,
+                                 context_fn=partial(create_selective_checkpoint_contexts, _recompute_all))
+    return Launched(part, gathered, token)
+
+
+def _wait_gather(sharding: Sharding, launched: Launched | Pending, group: str) -> dict[str, torch.Tensor]:
+    """The launched group's weights, once its gather is done."""
+    if isinstance(launched, Pending):
+        return _gather(sharding, launched.part, group)
+    full = ops.wait_gathered(launched.gathered, launched.part, "avg", sharding.reduce_dtype, sharding.world,
+                             sharding.group_name)
+    return _views(sharding, full, group)
+
+
+def _launch_of(gathers: list, *indices: int) -> list[torch.Tensor]:
+    """The tokens of the launches at `indices` that exist (compiled code; eager code orders by running)."""
+    return [gathers[i].token for i in indices if 0 <= i < len(gathers) and isinstance(gathers[i], Launched)]
+
+
+def _after(x: torch.Tensor, forward_deps: list, backward_deps: list) -> torch.Tensor:
+    return ops.after(x, forward_deps, backward_deps) if forward_deps or backward_deps else x
 
 
 def gathered_weights(model: TorchModel, dtype: torch.dtype):
@@ -162,7 +269,7 @@ def gathered_weights(model: TorchModel, dtype: torch.dtype):
         parts = model.params[decl.key]
         for index, part in enumerate(parts if decl.repeat is not None else [parts]):
             with torch.no_grad():
-                full = ops.wait(ops.all_gather(part.detach(), dtype, sharding.world, sharding.group_name)).cpu()
+                full = ops.wait(ops.all_gather(part.detach(), dtype, sharding.world, sharding.group_name)[0]).cpu()
             views = ops.group_views(full, list(layout.offsets), layout.shapes)
             for name, view in zip(layout.names, views):
                 yield specs[(decl.key, index if decl.repeat is not None else None, name)], view
@@ -173,6 +280,10 @@ def _gather_policy(ctx, func, *args, **kwargs):
     if func in ops.collective_overloads() or getattr(func, "is_view", False):  # higher-order ops have no is_view
         return CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_SAVE
+
+
+def _recompute_all(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
 
 
 def _checkpointed(recompute: str, function, *args):

@@ -1,0 +1,69 @@
+"""The communication schedule of sharded PyTorch code, in one place: where
+each layer's gather is launched and waited for, and where its gradient's
+reduce-scatter is waited for. The emitter (linnet/emit/source.py) asks this
+module for the lines of a sharded layer loop, so the printed source
+(`linnet torch CARD --fully-shard`) shows the schedule as it runs.
+
+With prefetch depth d, before layer i computes, the gathers of layers up to
+i + d are in flight; in the backward, before layer i's gradient is computed,
+the gathers of layers down to i - d are. A layer's reduce-scatter is launched
+where the backward reaches its wait (as soon as its weight gradients exist)
+and waited for once the layer d below has its gradient. The order is carried
+by data, not by where lines sit, so no compiler pass can undo it:
+
+    x = after(x, forward_deps, backward_deps)
+
+is a copy of x made only once `forward_deps` exist, whose gradient is a copy
+made only once `backward_deps` exist. Each launch hands out a token (an empty
+tensor from the same call) to depend on, so depending on a launch keeps no
+gathered buffer alive; in the backward, a token is made again by launching
+its gather again, which is how the backward's gathers are placed. And
+
+    x, part = hold(x, part)
+
+passes both through, and in the backward waits for the part's gradient when
+x's gradient passes (which the layers below need): where the wait goes.
+
+The functions the lines call (hold, launch_gather, wait_gather, launch_of,
+after) are bound by linnet/torch/shard.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    prefetch: int = 1  # layers whose gathers run ahead of the one computing; 0 launches each where it is waited
+
+    def __post_init__(self):
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be a whole number of layers >= 0, got {self.prefetch!r}")
+
+    def layer_loop(self, *, layers: str, group: str, loop_var: str, carried: str, body: list[str], indent: str) -> list[str]:
+        """The lines of `for loop_var in layers: carried = ...body...`, with the gathers scheduled.
+
+        layers: the source of the group's parts (`params['layers']`); body: the translated
+        statements of one iteration, which read the layer's launched gather as `loop_var`
+        and wait for it first thing; carried: the variable one layer hands the next."""
+        d, inner = self.prefetch, indent + "    "
+        if d == 0:
+            return [f"{indent}for {loop_var} in {layers}:",
+                    f"{inner}{loop_var} = launch_gather({loop_var}, {group!r})",
+                    *(inner + line for line in body)]
+        return [
+            f"{indent}# Prefetch depth {d}: layer i + {d}'s gather runs while layer i computes, and in the",
+            f"{indent}# backward layer i - {d}'s while layer i's gradient is computed; a layer's reduce-scatter",
+            f"{indent}# runs while the {d} below it compute their gradients.",
+            f"{indent}parts = {layers}",
+            f"{indent}gathers = []",
+            f"{indent}for i in range(-{d}, len(parts)):",
+            f"{inner}if i + {d} < len(parts):",
+            f"{inner}    {carried}, part = hold({carried}, parts[i + {d}])",
+            f"{inner}    gathers.append(launch_gather(part, {group!r}))",
+            f"{inner}if i >= 0:",
+            f"{inner}    {carried} = after({carried}, launch_of(gathers, i + {d}), launch_of(gathers, i - {d + 1}))",
+            f"{inner}    {loop_var} = gathers[i]",
+            *(inner + "    " + line for line in body),
+            f"{indent}{carried} = after({carried}, [], launch_of(gathers, *range(len(parts) - {d + 1}, len(parts))))",
+        ]
