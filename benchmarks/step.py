@@ -25,6 +25,8 @@ parser.add_argument("--card", default="llama-3.2-1b")
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--tokens", type=int, default=4096)
 parser.add_argument("--recompute", default="gather", choices=["gather", "full"])
+parser.add_argument("--prefetch", type=int, default=1, help="layers whose gathers run ahead (fully_shard's prefetch)")
+parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
 args = parser.parse_args()
 
@@ -37,14 +39,16 @@ model = nest.load(args.card, backend="torch", device=device, numerics="fast",
                   compile=None if args.no_compile else "inductor",
                   generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"},
                   cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
-fully_shard(model, recompute=args.recompute)
+fully_shard(model, recompute=args.recompute, prefetch=args.prefetch,
+            reduce_dtype=torch.float32 if args.reduce_dtype == "f32" else torch.bfloat16)
 optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
 torch.cuda.reset_peak_memory_stats()
 history = train(model, random_rows(rank, args.tokens, model.checked.dims["Vocab"]), optimizer=optimizer, steps=args.steps, on_step=lambda s: rank == 0 and print(
     f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True))
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
-result = dict(card=args.card, world=world, recompute=args.recompute, compiled=not args.no_compile,
+result = dict(card=args.card, world=world, recompute=args.recompute, prefetch=args.prefetch,
+              reduce_dtype=args.reduce_dtype, compiled=not args.no_compile,
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

@@ -189,7 +189,7 @@ class WaitGathered : public torch::autograd::Function<WaitGathered> {
     ctx->saved_data["group_size"] = group_size;
     ctx->saved_data["group_name"] = group_name;
     // Below autograd this is _c10d_functional::wait_tensor, which compilers know.
-    return wait(gathered);
+    return wait_gathered(gathered, part, reduce_op, reduce_dtype, group_size, group_name);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

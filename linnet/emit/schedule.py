@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Schedule:
-    prefetch: int = 1  # layers whose gathers run ahead of the one computing; 0 launches each where it is waited
+    prefetch: int = 1  # layers whose gathers run ahead of the one computing; 0 launches each where it is waited for
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -47,14 +47,10 @@ class Schedule:
         statements of one iteration, which read the layer's launched gather as `loop_var`
         and wait for it first thing; carried: the variable one layer hands the next."""
         d, inner = self.prefetch, indent + "    "
-        if d == 0:
-            return [f"{indent}for {loop_var} in {layers}:",
-                    f"{inner}{loop_var} = launch_gather({loop_var}, {group!r})",
-                    *(inner + line for line in body)]
         return [
             f"{indent}# Prefetch depth {d}: layer i + {d}'s gather runs while layer i computes, and in the",
             f"{indent}# backward layer i - {d}'s while layer i's gradient is computed; a layer's reduce-scatter",
-            f"{indent}# runs while the {d} below it compute their gradients.",
+            f"{indent}# runs while the {d} below it compute their gradients (depth 0: each where it is waited for).",
             f"{indent}parts = {layers}",
             f"{indent}gathers = []",
             f"{indent}for i in range(-{d}, len(parts)):",

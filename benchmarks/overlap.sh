@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The overlap measurements of benchmarks/NOTES.md on the lent H200, in stages so that each device
+# call fits its 10 minutes (the machine stays warm between calls, the build with it):
+#   bash benchmarks/overlap.sh build      build, CUDA tests of the simulated world and of the GPU path
+#   bash benchmarks/overlap.sh sim4       8B, one GPU's share of 4 ranks: Linnet and FSDP2, no time / 360 GB/s
+#   bash benchmarks/overlap.sh sim8       the same at 8 ranks
+#   bash benchmarks/overlap.sh world1     world size 1: Linnet beside the plain compiled ceiling, 1B and 3B
+# Logs under $OUT; each run's RESULT and SIM lines are printed.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+run() {  # name, then the command; keeps going when one fails
+  local name=$1; shift
+  echo "== $name"; timeout 420 "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"
+  grep -E "^RESULT|^SIM|Error|error:" "$OUT/$name.log" | cut -c1-600 | tail -3
+}
+sim() {  # world, bus GB/s, name, script and its arguments
+  local world=$1 gbps=$2 name=$3; shift 3
+  run "$name" env SIM_WORLD=$world SIM_BUS_GBPS=$gbps LOCAL_RANK=0 python3 benchmarks/sim_world.py "$@"
+}
+case "${1:-}" in
+  build)
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
+    start=$(date +%s)
+    CC=/usr/bin/gcc CXX=/usr/bin/g++ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+      || { tail -50 "$OUT/build.log"; exit 1; }
+    echo "build: $(( $(date +%s) - start )) s"
+    python3 -m pytest -q -x tests/test_sim_world.py tests/test_gpu.py 2>&1 | tee "$OUT/tests.txt" | tail -5 ;;
+  sim4|sim8)
+    world=${1#sim}
+    for gbps in inf 360; do
+      sim "$world" "$gbps" "linnet-8b-w$world-$gbps" benchmarks/step.py --card llama-3.1-8b --steps 8
+      sim "$world" "$gbps" "fsdp2-8b-w$world-$gbps" benchmarks/peers/fsdp2_baseline.py --shape 8b --steps 8
+    done
+    for side in linnet fsdp2; do
+      echo "$side exposed: $(python3 benchmarks/sim_world.py --compare "$OUT/$side-8b-w$world-360.log" "$OUT/$side-8b-w$world-inf.log")"
+    done ;;
+  world1)
+    for shape in 1b 3b; do
+      run "linnet-$shape" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --steps 20
+      run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 20
+    done ;;
+  *) echo "usage: bash benchmarks/overlap.sh build|sim4|sim8|world1"; exit 2 ;;
+esac

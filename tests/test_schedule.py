@@ -1,0 +1,140 @@
+"""The communication schedule of compiled sharded code, checked in the code
+inductor generates rather than assumed: a layer's gather is launched before
+the layer ahead computes and waited for after, in the forward and in the
+backward; each reduce-scatter runs under the next layer's backward; and no
+more than prefetch + 1 layers' gathered weights are alive at once.
+
+One process joins a fake process group of 4 ranks (collectives move nothing:
+only the order and the lifetimes of buffers are looked at), and compiles one
+forward and backward of a 4-layer Llama."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from distributed import run
+from hf_models import BASE, write_card
+
+LAYERS, ROW, WORLD = 4, 32, 4
+
+
+@dataclass
+class Code:
+    """The lines of one generated function, and where the layers' collectives are in them."""
+
+    lines: list[str]
+    launches: list[tuple[int, str, str]]  # (line, part's input name, gathered buffer), in launch order
+    reduce_scatters: list[tuple[int, str]]  # (line, result buffer), in launch order
+
+    def first(self, pattern: str, after: int = -1) -> int:
+        return next(i for i, line in enumerate(self.lines) if i > after and re.search(pattern, line))
+
+    def wait(self, buffer: str) -> int:
+        return self.first(rf"wait_tensor\.default\({buffer}\)")
+
+    def first_matmul(self, weights: str) -> int:
+        """The first matmul that reads a layer's gathered weights."""
+        return self.first(rf"extern_kernels\.b?mm\(.*\b{weights}\b")
+
+    def freed(self, buffer: str) -> int:
+        return self.first(rf"^\s*del {buffer}$|; del {buffer}\b")
+
+    def most_alive(self, buffers: list[str]) -> int:
+        """The most of `buffers` alive at once: each from its launch to the line that frees it."""
+        spans = [(self.first(rf"^\s*{b} = "), self.freed(b)) for b in buffers]
+        return max(sum(start <= line <= end for start, end in spans) for line, _ in spans)
+
+
+def _result(lines: list[str], number: int) -> tuple[str, int]:
+    """The 1-D buffer an op call at `number` returns, and its length (from inductor's size assert)."""
+    found = next(m for later in lines[number:number + 8] if (m := re.search(r"assert_size_stride\((buf\d+), \((\d+), \)", later)))
+    return found.group(1), int(found.group(2))
+
+
+def parse(source: str, gathered_size: int, part_size: int) -> Code:
+    lines = source.splitlines()
+    launches, reduce_scatters = [], []
+    for number, line in enumerate(lines):
+        if launch := re.search(r"(buf\d+) = torch\.ops\.linnet\.all_gather\.default\((\w+),", line):
+            buffer, size = _result(lines, number)
+            if size == gathered_size:
+                launches.append((number, launch.group(2), buffer))
+        if re.search(r"= torch\.ops\.linnet\.reduce_scatter\.default", line):
+            buffer, size = _result(lines, number)
+            if size == part_size:
+                reduce_scatters.append((number, buffer))
+    return Code(lines, launches, reduce_scatters)
+
+
+def generated_code(rank: int, world: int, card, prefetch: int):
+    """Inductor's forward and backward of one sharded step at a fake world of 4."""
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from linnet import nest
+    from linnet.torch import fully_shard
+
+    dist.destroy_process_group()  # the Gloo group of one rank that `run` made: a fake world of 4 instead
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"}, cast_dtype=True,
+                      trainable=True, weights="random", compile="inductor", entry="loss_packed")
+    fully_shard(model, prefetch=prefetch)
+    tokens = torch.randint(0, BASE["vocab_size"], (1, ROW), dtype=torch.int32)
+    positions, segments = torch.arange(ROW, dtype=torch.int32)[None], torch.zeros(1, ROW, dtype=torch.int32)
+    _, (forward, backward) = run_and_get_code(
+        lambda: model.loss_packed(tokens, tokens, positions, segments, torch.ones(1, ROW)).backward())
+    layout = model.sharding.layouts["Layer"]
+    return forward, backward, layout.total, layout.part_size
+
+
+@pytest.fixture(scope="module")
+def card(tmp_path_factory):
+    return write_card(tmp_path_factory.mktemp("card"), {**BASE, "num_hidden_layers": LAYERS}, None, repo="random")
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_compiled_step_runs_the_schedule(card, prefetch):
+    forward_source, backward_source, gathered_size, part_size = run(generated_code, 1, card, prefetch, timeout=600)[0]
+    forward = parse(forward_source, gathered_size, part_size)
+    backward = parse(backward_source, gathered_size, part_size)
+    assert len(forward.launches) == LAYERS and len(backward.launches) == LAYERS
+    assert len(backward.reduce_scatters) == LAYERS
+
+    # Forward: layer i + prefetch's gather is launched before layer i's first matmul, and layer
+    # i + 1's is waited for after it.
+    weights = [gathered for _, _, gathered in forward.launches]
+    for i in range(LAYERS - 1):
+        first_matmul = forward.first_matmul(weights[i])
+        ahead = min(i + prefetch, LAYERS - 1)
+        assert forward.launches[ahead][0] < first_matmul < forward.wait(weights[i + 1]), f"layer {i}"
+    assert forward.most_alive(weights) == prefetch + 1
+
+    # Backward: the same, downwards; the backward's gathers are launched again (nothing kept).
+    layer_of = {part: i for i, (_, part, _) in enumerate(forward.launches)}
+    regathered = {layer_of[part]: gathered for _, part, gathered in backward.launches}
+    launched = {layer_of[part]: line for line, part, _ in backward.launches}
+    for i in range(LAYERS - 1, 0, -1):
+        first_matmul = backward.first_matmul(regathered[i])
+        below = max(i - prefetch, 0)
+        assert launched[below] < first_matmul < backward.wait(regathered[i - 1]), f"layer {i}"
+    assert backward.most_alive(list(regathered.values())) <= prefetch + 1
+
+    # Each layer's reduce-scatter is launched before the layer below computes its gradient and
+    # waited for after (the reduce-scatters run from the top layer down).
+    for (line, result), i in zip(backward.reduce_scatters, range(LAYERS - 1, -1, -1)):
+        if i > 0:
+            below = backward.first_matmul(regathered[i - 1])
+            assert line < below < backward.wait(result), f"layer {i}'s reduce-scatter"
+
+
+def test_without_prefetch_each_gather_is_waited_for_before_the_next_is_launched(card):
+    forward_source, _, gathered_size, part_size = run(generated_code, 1, card, 0, timeout=600)[0]
+    forward = parse(forward_source, gathered_size, part_size)
+    for (_, _, gathered), (next_launch, _, _) in zip(forward.launches, forward.launches[1:]):
+        assert forward.wait(gathered) < next_launch
+    assert forward.most_alive([gathered for _, _, gathered in forward.launches]) == 1
