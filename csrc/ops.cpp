@@ -1,34 +1,13 @@
-// Linnet's op schemas, defined once, and the kernels that are the same on
-// every device: the flat layout (no tensors) and the views of a gathered
-// buffer. Importing the module linnet._C registers them all.
-#include <Python.h>
-
+// Linnet's op schemas, defined once, and the kernel that is the same on
+// every device: the views of a gathered buffer. Importing the module
+// linnet._C (csrc/module.cpp) registers them all.
 #include <ATen/ATen.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
-#include <stdexcept>
-
-#include "flat_layout.h"
 #include "ops.h"
 
 namespace linnet {
-namespace {
-
-std::vector<int64_t> flat_layout_op(at::IntArrayRef numels, int64_t align, int64_t world) {
-  FlatLayout layout;
-  try {
-    layout = flat_layout(numels.vec(), align, world);
-  } catch (const std::invalid_argument& error) {
-    TORCH_CHECK_VALUE(false, error.what());
-  }
-  std::vector<int64_t> result = std::move(layout.offsets);
-  result.push_back(layout.total);
-  result.push_back(layout.part_size);
-  return result;
-}
-
-}  // namespace
 
 std::vector<at::Tensor> group_views(
     const at::Tensor& flat,
@@ -109,31 +88,45 @@ TORCH_LIBRARY(linnet, m) {
   const std::vector<at::Tag> tags = {at::Tag::pt2_compliant_tag};
   const std::vector<at::Tag> collective_tags = {
       at::Tag::pt2_compliant_tag, at::Tag::needs_contiguous_strides};
-  m.def(
-      "flat_layout(int[] numels, int align, int world) -> int[]",
-      torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::flat_layout_op),
-      tags);
   m.def("flatten(Tensor[] tensors, int[] offsets, int total) -> Tensor", tags);
   m.def("shard(Tensor flat, int rank, int world) -> Tensor", tags);
   m.def(
       "group_views(Tensor(a -> *) flat, int[] offsets, int[] shapes, int[] ndims) -> Tensor(a)[]",
       torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &linnet::group_views),
       tags);
+  // all_gather's last two arguments are its gradient's: summed or averaged
+  // over ranks, in f32 by default.
   m.def(
-      "all_gather(Tensor part, ScalarType dtype, int group_size, str group_name) -> Tensor",
+      "all_gather(Tensor part, ScalarType dtype, int group_size, str group_name, "
+      "str reduce_op=\"sum\", ScalarType? reduce_dtype=None) -> (Tensor, Tensor)",
       collective_tags);
   m.def(
-      "reduce_scatter(Tensor full, str reduce_op, int group_size, str group_name) -> Tensor",
+      "reduce_scatter(Tensor full, str reduce_op, ScalarType reduce_dtype, int group_size, "
+      "str group_name) -> Tensor",
       collective_tags);
+  m.def(
+      "after(Tensor x, Tensor[] forward_deps, Tensor[] backward_deps) -> Tensor",
+      torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::after),
+      tags);
   m.def(
       "wait(Tensor tensor) -> Tensor",
       torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::wait),
       tags);
-}
-
-// An empty module: importing it loads this library, whose static initialisers
-// register the ops above with the dispatcher.
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module);
+  // A gather launched from a detached part, waited for: its gradient is
+  // reduce-scattered into `part` where the backward reaches this wait, and
+  // handed on un-waited (the caller waits for it, as late as it can).
+  m.def(
+      "wait_gathered(Tensor gathered, Tensor part, str reduce_op, ScalarType reduce_dtype, int group_size, "
+      "str group_name) -> Tensor",
+      torch::dispatch(
+          c10::DispatchKey::CompositeExplicitAutograd,
+          [](const at::Tensor& gathered,
+             const at::Tensor& part,
+             std::string reduce_op,
+             at::ScalarType reduce_dtype,
+             int64_t group_size,
+             std::string group_name) {
+            return linnet::wait_gathered(gathered, part, reduce_op, reduce_dtype, group_size, group_name);
+          }),
+      tags);
 }

@@ -12,26 +12,31 @@ their process group by `group_name` (`ProcessGroup.group_name`); with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
-from linnet import _C  # noqa: F401  (importing the library registers the ops)
+from linnet import _C  # importing the library registers the ops; it also binds the flat layout
 
 _ops = torch.ops.linnet
 
 
-class FlatLayout(NamedTuple):
-    offsets: list[int]  # where each tensor starts in the flat buffer, in elements
-    total: int  # padded length of the buffer: world * part_size
-    part_size: int  # one rank's part, a multiple of the alignment
+# The layout is C++ (csrc/flat_layout.h) bound by linnet._C, not an op: it is
+# setup-time arithmetic on no tensors. Read-only: offsets (a tuple of where each
+# tensor starts, in elements), total (the padded buffer: world * part_size) and
+# part_size (one rank's part, a multiple of the alignment).
+FlatLayout = _C.FlatLayout
 
 
+# A pure function of its arguments, so under torch.compile it runs while
+# tracing and its layout is a constant (which needs numels that are not
+# symbolic sizes).
+@torch.compiler.assume_constant_result
 def flat_layout(numels: Sequence[int], align: int, world: int) -> FlatLayout:
     """Lays out tensors of `numels` elements one after another, each starting
-    at a multiple of `align` elements, padded to split into `world` equal parts."""
-    *offsets, total, part_size = _ops.flat_layout(list(numels), align, world)
-    return FlatLayout(offsets, total, part_size)
+    at a multiple of `align` elements, padded to split into `world` equal parts.
+    Raises ValueError for a negative numel, align or world below 1, or a layout
+    that overflows int64."""
+    return _C.flat_layout(list(numels), align, world)
 
 
 def flatten(tensors: Sequence[torch.Tensor], offsets: Sequence[int], total: int) -> torch.Tensor:
@@ -49,16 +54,36 @@ def group_views(flat: torch.Tensor, offsets: Sequence[int], shapes: Sequence[Seq
     return _ops.group_views(flat, list(offsets), [d for shape in shapes for d in shape], [len(s) for s in shapes])
 
 
-def all_gather(part: torch.Tensor, dtype: torch.dtype, group_size: int, group_name: str) -> torch.Tensor:
-    """Every rank's part, cast to `dtype`, concatenated in rank order; call `wait` before reading it.
-    Its gradient is the reduce-scattered (summed, f32) gradient of the result."""
-    return _ops.all_gather(part, dtype, group_size, group_name)
+def all_gather(part: torch.Tensor, dtype: torch.dtype, group_size: int, group_name: str, *, reduce_op: str = "sum",
+               reduce_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches the gather of every rank's part, cast to `dtype` and concatenated in rank order;
+    returns (gathered, token). Call `wait(gathered)` before reading it. `token` is an empty tensor
+    from the same launch: work that depends on it runs after the launch (see `after`), and
+    keeping it keeps nothing else alive. The gradient of `gathered` is reduce-scattered into the
+    part: summed ("sum") or averaged ("avg") over ranks, in `reduce_dtype` (f32 by default)."""
+    return _ops.all_gather(part, dtype, group_size, group_name, reduce_op, reduce_dtype)
 
 
-def reduce_scatter(full: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
-    """This rank's part of `full` summed ("sum") or averaged ("avg") over ranks, in f32;
-    call `wait` before reading it."""
-    return _ops.reduce_scatter(full, reduce_op, group_size, group_name)
+def reduce_scatter(full: torch.Tensor, reduce_op: str, reduce_dtype: torch.dtype, group_size: int,
+                   group_name: str) -> torch.Tensor:
+    """Launches the reduce-scatter of `full` in `reduce_dtype` (bf16 halves the bytes): this rank's
+    part summed ("sum") or averaged ("avg") over ranks, returned in f32; call `wait` before reading it."""
+    return _ops.reduce_scatter(full, reduce_op, reduce_dtype, group_size, group_name)
+
+
+def wait_gathered(gathered: torch.Tensor, part: torch.Tensor, reduce_op: str, reduce_dtype: torch.dtype,
+                  group_size: int, group_name: str) -> torch.Tensor:
+    """`gathered` (launched by `all_gather` from `part` detached) once its gather is done. The
+    gradient of the result is reduce-scattered into `part` where the backward reaches this wait,
+    and handed on UN-WAITED: the caller must `wait` for the part's gradient before it is read."""
+    return _ops.wait_gathered(gathered, part, reduce_op, reduce_dtype, group_size, group_name)
+
+
+def after(x: torch.Tensor, forward_deps: Sequence[torch.Tensor], backward_deps: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """A copy of `x` that exists only once every tensor of `forward_deps` does; its gradient is a
+    copy made only once every tensor of `backward_deps` exists (they are kept, or recomputed, for
+    the backward). Generated code orders its collectives with it."""
+    return _ops.after(x, list(forward_deps), list(backward_deps))
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,6 +99,7 @@ def collective_overloads() -> frozenset:
             _ops.all_gather.default,
             _ops.reduce_scatter.default,
             _ops.wait.default,
+            _ops.wait_gathered.default,
             torch.ops._c10d_functional.wait_tensor.default,
         }
     )
@@ -90,13 +116,23 @@ def _(flat, rank, world):
 
 
 @torch.library.register_fake("linnet::all_gather")
-def _(part, dtype, group_size, group_name):
-    return part.new_empty(part.numel() * group_size, dtype=dtype)
+def _(part, dtype, group_size, group_name, reduce_op="sum", reduce_dtype=None):
+    return part.new_empty(part.numel() * group_size, dtype=dtype), part.new_empty(0)
 
 
 @torch.library.register_fake("linnet::reduce_scatter")
-def _(full, reduce_op, group_size, group_name):
+def _(full, reduce_op, reduce_dtype, group_size, group_name):
     return full.new_empty(full.numel() // group_size, dtype=torch.float32)
+
+
+@torch.library.register_fake("linnet::wait_gathered")
+def _(gathered, part, reduce_op, reduce_dtype, group_size, group_name):
+    return torch.empty_like(gathered)
+
+
+@torch.library.register_fake("linnet::after")
+def _(x, forward_deps, backward_deps):
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("linnet::wait")
