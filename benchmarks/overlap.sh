@@ -5,6 +5,7 @@
 #   bash benchmarks/overlap.sh sim4       8B, one GPU's share of 4 ranks: Linnet and FSDP2, no time / 360 GB/s
 #   bash benchmarks/overlap.sh sim8       the same at 8 ranks
 #   bash benchmarks/overlap.sh world1     world size 1: Linnet beside the plain compiled ceiling, 1B and 3B
+#   bash benchmarks/overlap.sh variants   8B at 4 ranks and 360 GB/s: prefetch 2, and a bf16 reduction
 # Logs under $OUT; each run's RESULT and SIM lines are printed.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -35,10 +36,13 @@ case "${1:-}" in
     for side in linnet fsdp2; do
       echo "$side exposed: $(python3 benchmarks/sim_world.py --compare "$OUT/$side-8b-w$world-360.log" "$OUT/$side-8b-w$world-inf.log")"
     done ;;
+  variants)
+    sim 4 360 linnet-8b-w4-360-prefetch2 benchmarks/step.py --card llama-3.1-8b --steps 8 --prefetch 2
+    sim 4 360 linnet-8b-w4-360-bf16 benchmarks/step.py --card llama-3.1-8b --steps 8 --reduce-dtype bf16 ;;
   world1)
     for shape in 1b 3b; do
       run "linnet-$shape" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --steps 20
       run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 20
     done ;;
-  *) echo "usage: bash benchmarks/overlap.sh build|sim4|sim8|world1"; exit 2 ;;
+  *) echo "usage: bash benchmarks/overlap.sh build|sim4|sim8|world1|variants"; exit 2 ;;
 esac

@@ -18,17 +18,13 @@ import torch
 import torch.distributed as dist
 
 from linnet import checkpoint_folder
+from linnet.agree import together
 
 
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if _world()[1] > 1:
-        dist.barrier()
 
 
 def _broadcast(value):
@@ -69,30 +65,29 @@ class Checkpointer:
     def save(self, step: int, rows_consumed: int) -> Path:
         rank, world = _world()
         partial = checkpoint_folder.partial_path(self.folder, step)
-        if rank == 0:
-            checkpoint_folder.begin(partial)
-        _barrier()
+        together((lambda: checkpoint_folder.begin(partial)) if rank == 0 else (lambda: None),
+                 f"begin checkpoint {partial}")
         path = partial / _rank_file(rank, world)
         state = {
             "parts": [p.detach().cpu() for p in self.params],
             "optimizer": self.optimizer.state_dict(),
             "rng": _rng_state(),
         }
-        torch.save(state, path)
+        together(lambda: torch.save(state, path), f"write {path}")
         files = _gather_objects(checkpoint_folder.describe(path))
-        if rank == 0:
-            manifest = {
-                "framework": "torch",
-                "card": self.model.card.name,
-                "step": step,
-                "world": world,
-                "rows_consumed": rows_consumed,
-                "schedule": self.schedule.state_dict() if self.schedule is not None else None,
-                "layouts": self.layouts,
-                "parts": [self.part_index[id(p)] for p in self.params],
-            }
-            checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep, default=_jsonable)
-        _barrier()
+        manifest = {
+            "framework": "torch",
+            "card": self.model.card.name,
+            "step": step,
+            "world": world,
+            "rows_consumed": rows_consumed,
+            "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+            "layouts": self.layouts,
+            "parts": [self.part_index[id(p)] for p in self.params],
+        }
+        commit = lambda: checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep,  # noqa: E731
+                                                  default=_jsonable)
+        together(commit if rank == 0 else (lambda: None), f"commit checkpoint {partial}")
         return self.folder / checkpoint_folder.step_name(step)
 
     # Resuming.

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from linnet.agree import raise_together
 from linnet.history import History, Progress, Step
 from linnet.packing import Example, Row, pack
 
@@ -55,6 +56,15 @@ def _all_reduce(values: list[float], device, op=None) -> list[float]:
     if _world()[1] > 1:
         dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
     return tensor.tolist()
+
+
+def _problem(check) -> str | None:
+    """What check() raised, as a message, or None."""
+    try:
+        check()
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _check_model(model) -> None:
@@ -100,12 +110,14 @@ def train(
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         local_weight = float(row.weights.sum()) if row is not None else 0.0
+        problem = None if row is None else _problem(lambda: row.check_ids(model.checked.dims["Vocab"], f"step {step}"))
         # Every forward of a sharded model is collective: all ranks step, or all stop together.
-        total_weight, ranks_with_a_row = _all_reduce([local_weight, float(row is not None)], device)
+        total_weight, ranks_with_a_row, ranks_with_problems = _all_reduce(
+            [local_weight, float(row is not None), float(problem is not None)], device)
         if ranks_with_a_row < world:
             raise ValueError(f"{world - int(ranks_with_a_row)} of {world} ranks ran out of rows at step {step} "
                              f"of {steps}: give every rank at least {steps} rows")
-        row.check_ids(model.checked.dims["Vocab"], f"step {step}, rank {rank}")
+        raise_together(problem, ranks_with_problems)
         inputs = _row_tensors(row, device)
         loss = model.loss_packed(*inputs)
         # scaled so that the gradients averaged over ranks are those of the global weighted mean
@@ -133,15 +145,16 @@ def evaluate(model, batches: Iterable[Row]) -> float:
     device = model.device
     rows = list(batches)
     # A sharded forward is collective: every rank runs as many rows, the short ones weightless copies.
-    (most,) = _all_reduce([float(len(rows))], device, dist.ReduceOp.MAX)
-    if rows:
-        blank = rows[0]
-        rows += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (int(most) - len(rows))
-    elif most:
-        raise ValueError("evaluate: this rank got no rows while others did; give every rank at least one")
-    loss_sum = weight_sum = 0.0
+    # So every rank checks all of its rows first, and all raise together if any rank cannot go on.
+    problem = None if rows else "evaluate got no rows on this rank: give every rank at least one"
     for index, row in enumerate(rows):
-        row.check_ids(model.checked.dims["Vocab"], f"evaluate, row {index} of rank {_world()[0]}")
+        problem = problem or _problem(lambda: row.check_ids(model.checked.dims["Vocab"], f"evaluate, row {index}"))
+    most, ranks_with_problems = _all_reduce([float(len(rows)), float(problem is not None)], device, dist.ReduceOp.MAX)
+    raise_together(problem, ranks_with_problems)
+    blank = rows[0]
+    rows += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (int(most) - len(rows))
+    loss_sum = weight_sum = 0.0
+    for row in rows:
         weight = float(row.weights.sum())
         loss_sum += float(model.loss_packed(*_row_tensors(row, device))) * weight
         weight_sum += weight

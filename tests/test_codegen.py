@@ -55,3 +55,9 @@ def test_cli_prints_cards_and_source(capsys):
     assert "MaxSeq = 128" in source and "def loss_packed(params, tokens, targets, positions, segments, weights):" in source
     assert main(["jax", "tiny-llama", "--fully-shard"]) == 0
     assert "gather(params['embedding'], 'Embedding')" in capsys.readouterr().out
+    # The PyTorch sharded form shows its schedule: launches two layers ahead, waits in the layer.
+    assert main(["torch", "llama-3.2-1b", "--fully-shard", "--prefetch", "2", "--entry", "loss_packed"]) == 0
+    source = capsys.readouterr().out
+    assert "# Prefetch depth 2" in source and "gathers.append(launch_gather(part, 'Layer'))" in source
+    assert "x = after(x, launch_of(gathers, i + 2), launch_of(gathers, i - 3))" in source
+    assert "    w = wait_gather(w, 'Layer')" in source

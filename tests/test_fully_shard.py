@@ -267,7 +267,61 @@ def test_a_token_outside_the_vocabulary_is_named():
     outside = rows(1)[0]
     outside.targets = outside.targets.copy()
     outside.targets[3] = 512  # tiny-llama's vocabulary is 0..511
-    with pytest.raises(ValueError, match=r"step 1, rank 0: targets\[3\] = 512 is not a token id .* 512"):
+    with pytest.raises(ValueError, match=r"rank 0: step 1: targets\[3\] = 512 is not a token id .* 512"):
         train(model, [outside], optimizer=torch.optim.AdamW(model.parameters()), steps=1, on_step=lambda step: None)
-    with pytest.raises(ValueError, match=r"evaluate, row 0 of rank 0: targets\[3\] = 512"):
+    with pytest.raises(ValueError, match=r"rank 0: evaluate, row 0: targets\[3\] = 512"):
         evaluate(model, [outside])
+
+
+def one_bad_rank(rank: int, world: int, card, where: str):
+    """train or evaluate where only the last rank's first row holds a token outside the vocabulary."""
+    from linnet.torch import fully_shard
+    from linnet.train import evaluate, train
+
+    model = fully_shard(load(card))
+    mine = rows(world)[rank::world]
+    if rank == world - 1:
+        mine[0].targets = mine[0].targets.copy()
+        mine[0].targets[3] = 10**6
+    try:
+        if where == "train":
+            train(model, iter(mine), optimizer=torch.optim.AdamW(list(model.parameters())), steps=STEPS,
+                  on_step=lambda step: None)
+        else:
+            evaluate(model, mine)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("where", ["train", "evaluate"])
+def test_one_ranks_bad_row_stops_every_rank_with_its_message(card, where):
+    first = "step 1" if where == "train" else "evaluate, row 0"
+    for message in run(one_bad_rank, 2, card, where, timeout=30):
+        assert message is not None and f"rank 1: {first}: targets[3] = 1000000 is not a token id" in message
+
+
+def save_where_it_cannot(rank: int, world: int, card, target: str):
+    """save_weights, then a checkpoint, into a path under a file: only the first rank writes either."""
+    from linnet.checkpoint import Checkpointer
+    from linnet.torch import fully_shard
+
+    model = fully_shard(load(card))
+    outcomes = []
+    for save in (lambda: model.save_weights(target),
+                 lambda: Checkpointer(target, model, torch.optim.AdamW(list(model.parameters()))).save(1, 0)):
+        try:
+            save()
+            outcomes.append(None)
+        except Exception as error:  # noqa: BLE001  (the test looks at what each rank raised)
+            outcomes.append(f"{type(error).__name__}: {error}")
+    return outcomes
+
+
+def test_a_failed_write_on_the_first_rank_reaches_every_rank(card, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    first, second = run(save_where_it_cannot, 2, card, str(blocker / "out"), timeout=60)
+    for mine, other in zip(first, second):
+        assert mine is not None and "RuntimeError: could not" not in mine  # the first rank's own error
+        assert other.startswith("RuntimeError: could not") and "rank 0: " in other and mine.split(": ")[0] in other

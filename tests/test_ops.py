@@ -272,6 +272,18 @@ def _collectives(rank: int, world: int) -> None:
             expected_grad = torch.cat(grads) / (world if reduce_op == "avg" else 1)
             torch.testing.assert_close(full.grad, expected_grad.to(dtype), rtol=0, atol=0)
 
+    # What a collective reads is its own: the caller (or inductor, reusing a dead buffer) may
+    # overwrite its input as soon as the launch returns, before the wait.
+    fulls = [_random(part_size * world, 35 + r) for r in range(world)]
+    full = fulls[rank].clone()
+    reduced = ops.reduce_scatter(full, "sum", torch.float32, world, name)
+    full.fill_(float("nan"))
+    part = parts[rank].clone()
+    gathered, _ = ops.all_gather(part, torch.float32, world, name)
+    part.fill_(float("nan"))
+    torch.testing.assert_close(ops.wait(reduced), sum(fulls)[rank * part_size:(rank + 1) * part_size])
+    torch.testing.assert_close(ops.wait(gathered), torch.cat(parts), rtol=0, atol=0)
+
     # A group's whole life: lay out, flatten, keep the part, gather, view (numels that divide nothing).
     tensors = [_random(7, 50).reshape(7, 1), _random(10, 51), _random(3, 52)]
     layout = ops.flat_layout([t.numel() for t in tensors], 4, world)

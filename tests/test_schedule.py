@@ -70,7 +70,7 @@ def parse(source: str, gathered_size: int, part_size: int) -> Code:
     return Code(lines, launches, reduce_scatters)
 
 
-def generated_code(rank: int, world: int, card, prefetch: int):
+def generated_code(rank: int, world: int, card, prefetch: int = 1):
     """Inductor's forward and backward of one sharded step at a fake world of 4."""
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
@@ -138,3 +138,13 @@ def test_without_prefetch_each_gather_is_waited_for_before_the_next_is_launched(
     for (_, _, gathered), (next_launch, _, _) in zip(forward.launches, forward.launches[1:]):
         assert forward.wait(gathered) < next_launch
     assert forward.most_alive([gathered for _, _, gathered in forward.launches]) == 1
+
+
+def test_a_tied_embedding_is_gathered_once_and_reduce_scattered_once(tmp_path):
+    """Read by the embedding and by the head, its gradients meet before one reduce-scatter."""
+    layers = 2
+    tied = write_card(tmp_path, {**BASE, "num_hidden_layers": layers, "tie_word_embeddings": True}, None, repo="random")
+    forward, backward, _, _ = run(generated_code, 1, tied, timeout=600)[0]
+    groups = layers + 2  # the layers, the embedding (with the head's matrix) and the final norm
+    assert forward.count("torch.ops.linnet.all_gather.default(") == groups
+    assert backward.count("torch.ops.linnet.reduce_scatter.default(") == groups

@@ -40,6 +40,16 @@ class Schedule:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of layers >= 0, got {self.prefetch!r}")
 
+    def _explained(self) -> list[str]:
+        d = self.prefetch
+        if d == 0:
+            return ["Prefetch depth 0: each layer's gather is launched just before the layer computes, and",
+                    "again just before its gradient is; its reduce-scatter is waited for at once."]
+        below = "next layer's" if d == 1 else f"next {d} layers'"
+        return [f"Prefetch depth {d}: layer i + {d}'s gather runs while layer i computes, and in the",
+                f"backward layer i - {d}'s while layer i's gradient is computed; a layer's reduce-scatter",
+                f"runs under the {below} backward."]
+
     def layer_loop(self, *, layers: str, group: str, loop_var: str, carried: str, body: list[str], indent: str) -> list[str]:
         """The lines of `for loop_var in layers: carried = ...body...`, with the gathers scheduled.
 
@@ -48,9 +58,7 @@ class Schedule:
         and wait for it first thing; carried: the variable one layer hands the next."""
         d, inner = self.prefetch, indent + "    "
         return [
-            f"{indent}# Prefetch depth {d}: layer i + {d}'s gather runs while layer i computes, and in the",
-            f"{indent}# backward layer i - {d}'s while layer i's gradient is computed; a layer's reduce-scatter",
-            f"{indent}# runs while the {d} below it compute their gradients (depth 0: each where it is waited for).",
+            *(f"{indent}# {line}" for line in self._explained()),
             f"{indent}parts = {layers}",
             f"{indent}gathers = []",
             f"{indent}for i in range(-{d}, len(parts)):",

@@ -64,7 +64,8 @@ class TorchModel(LoadedModel):
     def save_weights(self, path, dtype: torch.dtype = torch.bfloat16) -> Path:
         """One SafeTensors file under Hugging Face names, and the config.json transformers loads it with.
 
-        Sharded, every rank must call it: the parts are gathered and the first rank writes."""
+        Sharded, every rank must call it: the parts are gathered and the first rank writes; if the
+        write fails, every rank raises."""
         from linnet.export import write_hf_checkpoint
 
         if self.sharding is None:
@@ -72,10 +73,11 @@ class TorchModel(LoadedModel):
             return write_hf_checkpoint(self.card, tensors, Path(path), dtype)
         from linnet.torch.shard import gathered_weights
 
+        from linnet.agree import together
+
         tensors = dict(gathered_weights(self, dtype))
-        if self.sharding.rank == 0:
-            write_hf_checkpoint(self.card, tensors, Path(path), dtype)
-        torch.distributed.barrier()
+        write = (lambda: write_hf_checkpoint(self.card, tensors, Path(path), dtype)) if self.sharding.rank == 0 else (lambda: None)
+        together(write, f"write the weights to {path}")
         return Path(path)
 
     def _check_placement(self, entry: str, inputs) -> None:
