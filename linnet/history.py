@@ -5,6 +5,7 @@ prints when nobody asked for `on_step`."""
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,13 @@ class Step:
 class History:
     steps: list[Step] = field(default_factory=list)
     resumed_from: int = 0  # the step the run resumed after (0: started fresh)
+
+    def median_seconds(self, warmup: int = 2) -> float | None:
+        """The median step after the first `warmup` (compiling) steps; over every step when the run
+        took no more than that; None when it took none (it resumed at its last step)."""
+        seconds = [s.seconds for s in self.steps]
+        timed = seconds[warmup:] or seconds
+        return statistics.median(timed) if timed else None
 
 
 class Progress:

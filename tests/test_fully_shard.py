@@ -325,3 +325,21 @@ def test_a_failed_write_on_the_first_rank_reaches_every_rank(card, tmp_path):
     for mine, other in zip(first, second):
         assert mine is not None and "RuntimeError: could not" not in mine  # the first rank's own error
         assert other.startswith("RuntimeError: could not") and "rank 0: " in other and mine.split(": ")[0] in other
+
+
+def test_sft_torch_example_runs_offline(tmp_path):
+    """The README's quick start, shortened: two processes over Gloo, the tiny card, the repo's data."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/07-fsdp/sft_torch.py",
+               "--card", "tiny-llama", "--data", "examples/07-fsdp/data/tasks.jsonl", "--tokens", "256",
+               "--steps", "5", "--lr", "3e-3", "--out", str(tmp_path / "weights")]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on 2 processes" in result.stdout and "held-out loss" in result.stdout
+    assert (tmp_path / "weights" / "model.safetensors").exists()

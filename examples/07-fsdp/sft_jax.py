@@ -13,7 +13,6 @@ four host devices as the mesh:
 """
 
 import argparse
-import statistics
 
 import jax
 import numpy as np
@@ -93,13 +92,12 @@ params, history = train(
     checkpoint_every=args.checkpoint_every,
 )
 after = evaluate(model, held_out)
-step = statistics.median(s.seconds for s in history.steps[2:])
+step = history.median_seconds()
 peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()) / 2**30
 gpus = jax.devices()[0].platform == "gpu"
 memory = f"peak {peak:.1f} GiB a GPU" if gpus else "on the CPU"
-print(
-    f"{step:.2f} s a step ({mesh.size * TOKENS / step:.0f} positions/s on {mesh.size} "
-    f"{'GPUs' if gpus else 'devices'}), {memory}, held-out loss {before:.3f} to {after:.3f}"
-)
+speed = "no steps left to run" if step is None else (
+    f"{step:.2f} s a step ({mesh.size * TOKENS / step:.0f} positions/s on {mesh.size} {'GPUs' if gpus else 'devices'})")
+print(f"{speed}, {memory}, held-out loss {before:.3f} to {after:.3f}")
 if args.out is not None:
     model.save_weights(args.out)

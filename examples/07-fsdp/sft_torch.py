@@ -13,7 +13,6 @@ Offline, on a CPU, with the tiny card and the repo's own instruction data:
 
 import argparse
 import os
-import statistics
 
 import torch
 from datasets import load_dataset
@@ -101,12 +100,11 @@ after = evaluate(model, held_out[rank::world])
 peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=device)
 torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
 if rank == 0:
-    step = statistics.median(s.seconds for s in history.steps[2:])
+    step = history.median_seconds()
     memory = f"peak {float(peak):.1f} GiB a GPU" if cuda else "on the CPU"
-    print(
-        f"{step:.2f} s a step ({world * TOKENS / step:.0f} positions/s on {world} "
-        f"{'GPUs' if cuda else 'processes'}), {memory}, held-out loss {before:.3f} to {after:.3f}"
-    )
+    speed = "no steps left to run" if step is None else (
+        f"{step:.2f} s a step ({world * TOKENS / step:.0f} positions/s on {world} {'GPUs' if cuda else 'processes'})")
+    print(f"{speed}, {memory}, held-out loss {before:.3f} to {after:.3f}")
 if args.out is not None:
     # Every process calls it: the parts are gathered, and the first writes.
     model.save_weights(args.out, dtype=torch.bfloat16)
