@@ -163,10 +163,10 @@ at::Tensor reduce_scatter(
 at::Tensor wait_gathered(
     const at::Tensor& gathered,
     const at::Tensor& part,
-    const std::string& reduce_op,
-    at::ScalarType reduce_dtype,
+    std::string /*reduce_op*/,
+    at::ScalarType /*reduce_dtype*/,
     int64_t group_size,
-    const std::string& group_name) {
+    std::string /*group_name*/) {
   TORCH_CHECK(
       gathered.dim() == 1 && part.dim() == 1 && gathered.numel() == part.numel() * group_size,
       "wait_gathered: expected a gathered buffer of group_size (",

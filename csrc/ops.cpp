@@ -118,15 +118,6 @@ TORCH_LIBRARY(linnet, m) {
   m.def(
       "wait_gathered(Tensor gathered, Tensor part, str reduce_op, ScalarType reduce_dtype, int group_size, "
       "str group_name) -> Tensor",
-      torch::dispatch(
-          c10::DispatchKey::CompositeExplicitAutograd,
-          [](const at::Tensor& gathered,
-             const at::Tensor& part,
-             std::string reduce_op,
-             at::ScalarType reduce_dtype,
-             int64_t group_size,
-             std::string group_name) {
-            return linnet::wait_gathered(gathered, part, reduce_op, reduce_dtype, group_size, group_name);
-          }),
+      torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::wait_gathered),
       tags);
 }

@@ -47,13 +47,14 @@ at::Tensor wait(const at::Tensor& tensor);
 
 // `gathered` once its gather has finished; the autograd formula
 // (csrc/autograd.cpp) reduce-scatters its gradient into `part`, un-waited.
+// (Strings by value: the signature the dispatcher registers it with.)
 at::Tensor wait_gathered(
     const at::Tensor& gathered,
     const at::Tensor& part,
-    const std::string& reduce_op,
+    std::string reduce_op,
     at::ScalarType reduce_dtype,
     int64_t group_size,
-    const std::string& group_name);
+    std::string group_name);
 
 // A copy of `x`, made once every tensor of forward_deps exists; its gradient
 // is a copy of the incoming gradient, made once every tensor of
