@@ -1,9 +1,10 @@
 """Errors that one rank finds reach every rank, so that no rank is left
 waiting in a collective for a rank that has stopped.
 
-    together(lambda: write(folder), "write the weights")   # on every rank, whoever writes
+    together(lambda: torch.save(state, path), f"write {path}")   # each rank its file
+    first_rank_does(lambda: write(folder), "write the weights")     # called by every rank
 
-runs the action on this rank, then every rank learns (one all-gather) whether
+runs the action on this rank (or, with first_rank_does, on the first only), then every rank learns (one all-gather) whether
 any rank failed: the failing ranks raise their own exception, the others a
 RuntimeError that names the failing ranks and their messages. A training loop
 that already all-reduces each step counts its problems in that all-reduce and
@@ -46,6 +47,12 @@ def together(action: Callable[[], T], what: str) -> T | None:
     if any(messages):
         raise RuntimeError(f"could not {what}: {_describe(messages)}")
     return result
+
+
+def first_rank_does(action: Callable[[], T], what: str) -> T | None:
+    """action() on the first rank alone, agreed by all: every rank must call it."""
+    first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return together(action if first else (lambda: None), what)
 
 
 def raise_together(problem: str | None, ranks_with_problems: float, error: type[Exception] = ValueError) -> None:

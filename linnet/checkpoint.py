@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from linnet import checkpoint_folder
-from linnet.agree import together
+from linnet.agree import first_rank_does, together
 
 
 def _world() -> tuple[int, int]:
@@ -65,8 +65,7 @@ class Checkpointer:
     def save(self, step: int, rows_consumed: int) -> Path:
         rank, world = _world()
         partial = checkpoint_folder.partial_path(self.folder, step)
-        together((lambda: checkpoint_folder.begin(partial)) if rank == 0 else (lambda: None),
-                 f"begin checkpoint {partial}")
+        first_rank_does(lambda: checkpoint_folder.begin(partial), f"begin checkpoint {partial}")
         path = partial / _rank_file(rank, world)
         state = {
             "parts": [p.detach().cpu() for p in self.params],
@@ -85,9 +84,8 @@ class Checkpointer:
             "layouts": self.layouts,
             "parts": [self.part_index[id(p)] for p in self.params],
         }
-        commit = lambda: checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep,  # noqa: E731
-                                                  default=_jsonable)
-        together(commit if rank == 0 else (lambda: None), f"commit checkpoint {partial}")
+        first_rank_does(lambda: checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep,
+                                                         default=_jsonable), f"commit checkpoint {partial}")
         return self.folder / checkpoint_folder.step_name(step)
 
     # Resuming.

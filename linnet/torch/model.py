@@ -71,13 +71,11 @@ class TorchModel(LoadedModel):
         if self.sharding is None:
             tensors = {name: tensor.detach().to(dtype) for name, tensor in self.named_weights()}
             return write_hf_checkpoint(self.card, tensors, Path(path), dtype)
+        from linnet.agree import first_rank_does
         from linnet.torch.shard import gathered_weights
 
-        from linnet.agree import together
-
         tensors = dict(gathered_weights(self, dtype))
-        write = (lambda: write_hf_checkpoint(self.card, tensors, Path(path), dtype)) if self.sharding.rank == 0 else (lambda: None)
-        together(write, f"write the weights to {path}")
+        first_rank_does(lambda: write_hf_checkpoint(self.card, tensors, Path(path), dtype), f"write the weights to {path}")
         return Path(path)
 
     def _check_placement(self, entry: str, inputs) -> None:
