@@ -44,6 +44,30 @@ at::Tensor call_after(const at::Tensor& x, at::TensorList forward_deps, at::Tens
   return handle.call(x, forward_deps, backward_deps);
 }
 
+// How a gradient is reduce-scattered into a part: kept by a forward, used by
+// its backward (AllGather's, which waits, and WaitGathered's, which does not).
+void save_reduction(
+    AutogradContext* ctx,
+    const std::string& reduce_op,
+    at::ScalarType reduce_dtype,
+    int64_t group_size,
+    const std::string& group_name) {
+  ctx->saved_data["reduce_op"] = reduce_op;
+  ctx->saved_data["reduce_dtype"] = static_cast<int64_t>(reduce_dtype);
+  ctx->saved_data["group_size"] = group_size;
+  ctx->saved_data["group_name"] = group_name;
+}
+
+// Launches the reduce-scatter save_reduction described; the result is f32 and un-waited.
+at::Tensor launch_reduction(AutogradContext* ctx, const at::Tensor& grad) {
+  return call_reduce_scatter(
+      grad.contiguous(),
+      ctx->saved_data["reduce_op"].toStringRef(),
+      static_cast<at::ScalarType>(ctx->saved_data["reduce_dtype"].toInt()),
+      ctx->saved_data["group_size"].toInt(),
+      ctx->saved_data["group_name"].toStringRef());
+}
+
 class Flatten : public torch::autograd::Function<Flatten> {
  public:
   static at::Tensor forward(
@@ -114,10 +138,7 @@ class AllGather : public torch::autograd::Function<AllGather> {
       const std::string& reduce_op,
       std::optional<at::ScalarType> reduce_dtype) {
     ctx->saved_data["part_dtype"] = static_cast<int64_t>(part.scalar_type());
-    ctx->saved_data["group_size"] = group_size;
-    ctx->saved_data["group_name"] = group_name;
-    ctx->saved_data["reduce_op"] = reduce_op;
-    ctx->saved_data["reduce_dtype"] = static_cast<int64_t>(reduce_dtype.value_or(at::kFloat));
+    save_reduction(ctx, reduce_op, reduce_dtype.value_or(at::kFloat), group_size, group_name);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [gathered, token] = call_all_gather(part, dtype, group_size, group_name);
     ctx->mark_non_differentiable({token});
@@ -127,12 +148,7 @@ class AllGather : public torch::autograd::Function<AllGather> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // Every rank used the whole gathered tensor: a part's gradient is the sum
     // (or mean) over ranks of the gradient of its slot, in f32.
-    at::Tensor grad = wait(call_reduce_scatter(
-        grads[0].contiguous(),
-        ctx->saved_data["reduce_op"].toStringRef(),
-        static_cast<at::ScalarType>(ctx->saved_data["reduce_dtype"].toInt()),
-        ctx->saved_data["group_size"].toInt(),
-        ctx->saved_data["group_name"].toStringRef()));
+    at::Tensor grad = wait(launch_reduction(ctx, grads[0]));
     auto part_dtype = static_cast<at::ScalarType>(ctx->saved_data["part_dtype"].toInt());
     return {grad.to(part_dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -184,22 +200,13 @@ class WaitGathered : public torch::autograd::Function<WaitGathered> {
         part.scalar_type() == at::kFloat,
         "wait_gathered: the part must be float32 (its gradient is handed on un-waited, so it cannot be cast), got ",
         part.scalar_type());
-    ctx->saved_data["reduce_op"] = reduce_op;
-    ctx->saved_data["reduce_dtype"] = static_cast<int64_t>(reduce_dtype);
-    ctx->saved_data["group_size"] = group_size;
-    ctx->saved_data["group_name"] = group_name;
+    save_reduction(ctx, reduce_op, reduce_dtype, group_size, group_name);
     // Below autograd this is _c10d_functional::wait_tensor, which compilers know.
     return wait_gathered(gathered, part, reduce_op, reduce_dtype, group_size, group_name);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    at::Tensor part_grad = call_reduce_scatter(
-        grads[0].contiguous(),
-        ctx->saved_data["reduce_op"].toStringRef(),
-        static_cast<at::ScalarType>(ctx->saved_data["reduce_dtype"].toInt()),
-        ctx->saved_data["group_size"].toInt(),
-        ctx->saved_data["group_name"].toStringRef());
-    return {at::Tensor(), part_grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {at::Tensor(), launch_reduction(ctx, grads[0]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
