@@ -41,6 +41,8 @@ model = nest.load(args.card, backend="torch", device=device, numerics="fast",
                   cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
 fully_shard(model, recompute=args.recompute, prefetch=args.prefetch,
             reduce_dtype=torch.float32 if args.reduce_dtype == "f32" else torch.bfloat16)
+torch.cuda.synchronize()
+load_s, load_peak = time.perf_counter() - start, torch.cuda.max_memory_allocated()  # nest.load and fully_shard
 optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
 torch.cuda.reset_peak_memory_stats()
 history = train(model, random_rows(rank, args.tokens, model.checked.dims["Vocab"]), optimizer=optimizer, steps=args.steps, on_step=lambda s: rank == 0 and print(
@@ -52,7 +54,8 @@ result = dict(card=args.card, world=world, recompute=args.recompute, prefetch=ar
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-              first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]], setup_s=round(time.perf_counter() - start, 1))
+              first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]], setup_s=round(time.perf_counter() - start, 1),
+              load_s=round(load_s, 1), load_peak_gib=round(load_peak / 2**30, 2))
 if rank == 0:
     print("RESULT " + json.dumps(result), flush=True)
 dist.destroy_process_group()

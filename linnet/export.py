@@ -1,9 +1,21 @@
-"""Writing weights as a Hugging Face checkpoint: one SafeTensors file and the
-config.json that `transformers.AutoModelForCausalLM.from_pretrained` needs."""
+"""Writing weights as a Hugging Face checkpoint, streamed: SafeTensors files of at
+most `max_shard_size` (with model.safetensors.index.json when there are several)
+and the config.json that `transformers.AutoModelForCausalLM.from_pretrained`
+needs. Each tensor is written as it arrives and dropped, so a 70B model never
+sits in memory whole; the files appear in the folder only once all are complete.
+
+    write_hf_checkpoint(card, {name: shape, ...}, iter([(name, tensor), ...]), folder, torch.bfloat16)
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import struct
+from collections.abc import Iterable, Iterator
+from math import prod
 from pathlib import Path
 
 import torch
@@ -11,16 +23,127 @@ import torch
 from linnet.cards import Card
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # decimal, as huggingface_hub's
+_INDEX = "model.safetensors.index.json"
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
-def write_hf_checkpoint(card: Card, tensors: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> Path:
-    from safetensors.torch import save_file
-
+def check_dtype(dtype: torch.dtype) -> None:
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"save_weights(dtype=...) takes one of {list(_DTYPE_NAMES)}, got {dtype}")
-    folder.mkdir(parents=True, exist_ok=True)
-    contiguous = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
-    save_file(contiguous, folder / "model.safetensors", metadata={"format": "pt"})
-    config = {**card.config, "torch_dtype": _DTYPE_NAMES[dtype]}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB", "500MB", "10KB" (powers of 10)."""
+    if isinstance(size, int) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)\s*", size, re.IGNORECASE) if isinstance(size, str) else None
+    if match is None or float(match[1]) <= 0:
+        raise ValueError(f"max_shard_size takes a positive number of bytes or a string such as \"5GB\", "
+                         f"\"500MB\", \"10KB\"; got {size!r}")
+    return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
+
+
+def plan_files(sizes: dict[str, int], max_shard_size: int | str) -> list[list[str]]:
+    """The tensor names of each file, in order: consecutive tensors fill a file until the next
+    would pass max_shard_size; a tensor larger than that gets a file of its own.
+
+    huggingface_hub's splitter differs in one case only: after a tensor larger than the limit it
+    goes on filling the file the tensor interrupted. Keeping each file a run of consecutive tensors
+    is what lets them be written one file at a time."""
+    limit = parse_size(max_shard_size)
+    files: list[list[str]] = []
+    current, current_size = [], 0
+    for name, size in sizes.items():
+        if current and (size > limit or current_size + size > limit):
+            files.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+        if size > limit:
+            files.append(current)
+            current, current_size = [], 0
+    return files + [current] if current else files
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors: Iterable[tuple[str, torch.Tensor]],
+                        folder: Path, dtype: torch.dtype, *, max_shard_size: int | str = "5GB") -> Path:
+    """Writes `tensors` (name, tensor), which must arrive in the order of `shapes`, converted to dtype.
+
+    The files are written in a temporary folder beside `folder` and moved into it when all are
+    complete, replacing the weight files (model*.safetensors, the index) of an earlier save there;
+    other files in `folder` stay. If anything fails before that, nothing is left behind and the
+    error, a RuntimeError, names `folder`."""
+    check_dtype(dtype)
+    folder = Path(folder)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = {name: prod(shape) * itemsize for name, shape in shapes.items()}
+    plan = plan_files(sizes, max_shard_size)
+    names = _file_names(len(plan))
+    partial = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    try:
+        shutil.rmtree(partial, ignore_errors=True)  # what a crashed process of the same id left
+        partial.mkdir(parents=True)
+        arriving = iter(tensors)
+        for name, in_file in zip(names, plan):
+            _write_file(partial / name, {n: shapes[n] for n in in_file}, arriving, dtype)
+        extra = next(arriving, None)
+        if extra is not None:
+            raise ValueError(f"got {extra[0]} after the last of the {len(shapes)} planned tensors")
+        if len(plan) > 1:
+            totals = {"total_parameters": sum(prod(s) for s in shapes.values()), "total_size": sum(sizes.values())}
+            index = {"metadata": totals, "weight_map": {n: file for file, in_file in zip(names, plan) for n in in_file}}
+            (partial / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        config = {**card.config, "torch_dtype": _DTYPE_NAMES[dtype]}
+        (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _move_into(folder, partial)
+    except Exception as error:
+        raise RuntimeError(f"writing the weights to {folder} failed: {type(error).__name__}: {error}") from error
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterator[tuple[str, torch.Tensor]],
+                dtype: torch.dtype) -> None:
+    """One SafeTensors file: the header (every offset is known from the shapes), then each tensor's bytes."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset, itemsize = 0, torch.empty((), dtype=dtype).element_size()
+    for name, shape in shapes.items():
+        end = offset + prod(shape) * itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for expected, shape in shapes.items():
+            name, tensor = next(tensors, (None, None))
+            if name is None:
+                raise ValueError(f"the tensors ended before {expected}, {tuple(shape)}")
+            if name != expected or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"expected {expected} of shape {tuple(shape)} next, "
+                                 f"got {name} of shape {tuple(tensor.shape)}")
+            data = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+            f.write(data.reshape(-1).view(torch.uint8).numpy().data)
+            del tensor, data  # before the next arrives: a gathered group's buffer goes with its last view
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _move_into(folder: Path, partial: Path) -> None:
+    """Moves the finished files in, the index last; removes the weight files of an earlier save they do not replace."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {path.name for path in partial.iterdir()}
+    for stale in folder.iterdir():
+        if _WEIGHT_FILE.fullmatch(stale.name) and stale.name not in written and stale.is_file():
+            stale.unlink()
+    for name in sorted(written, key=lambda n: n == _INDEX):
+        os.replace(partial / name, folder / name)

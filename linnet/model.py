@@ -7,13 +7,16 @@ converted and compiled for their framework."""
 from __future__ import annotations
 
 import linecache
+import os
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 from linnet.cardlang.check import Checked
 from linnet.cards import Card
 from linnet.emit.source import Backend, emit
 from linnet.generics import check_inputs
-from linnet.weights import WeightSpec, check_checkpoint, checkpoint_files, locate, read_tensors, weight_specs
+from linnet.weights import (CheckpointWeights, RandomWeights, WeightSpec, check_checkpoint, checkpoint_files, locate,
+                            read_tensors, weight_specs)
 
 
 class LoadedModel(ABC):
@@ -22,7 +25,8 @@ class LoadedModel(ABC):
     def __init__(self, card: Card, checked: Checked, *, generics: dict, numerics: str, cast_dtype: bool, entries: list[str]):
         self.card, self.checked, self.generics = card, checked, generics
         self.numerics, self.cast_dtype, self.entries = numerics, cast_dtype, entries
-        self.params: dict = {}
+        self._params: dict = {}
+        self.weight_source: RandomWeights | CheckpointWeights | None = None  # until the weights are read
         self._install(self.emit(), {})
 
     # Generated code.
@@ -53,32 +57,76 @@ class LoadedModel(ABC):
     def specs(self) -> list[WeightSpec]:
         return weight_specs(self.checked)
 
+    @property
+    def params(self) -> dict:
+        """The weights under the card's groups (params["layers"][i]["wq"]), read whole when first needed."""
+        if self.weight_source is not None:
+            self._read_whole()
+        return self._params
+
+    @params.setter
+    def params(self, params: dict) -> None:
+        self._params, self.weight_source = params, None
+
     def load_checkpoint(self, source) -> None:
+        """Checks the checkpoint's names and shapes from its headers now; reads it when first needed."""
         files = checkpoint_files(locate(source))
-        specs = check_checkpoint(self.checked, files)
-        for spec, tensor in read_tensors(specs, files, device=self._read_device()):
-            self._place(spec, self._convert(tensor))
+        check_checkpoint(self.checked, files)
+        self.weight_source = CheckpointWeights(files)
 
     def init_random(self, seed: int) -> None:
-        """Normal(0, initializer_range) matrices and unit norms, as transformers initialises Llama."""
-        std = float(self.card.config.get("initializer_range", 0.02))
-        draw = self._random_drawer(seed)
-        for spec in self.specs():
-            self._place(spec, draw(spec, std))
+        """Normal(0, initializer_range) matrices and unit norms, as transformers initialises Llama; drawn when
+        first needed, whole or (sharded first) group by group, the same values either way."""
+        self.weight_source = RandomWeights(seed, float(self.card.config.get("initializer_range", 0.02)))
 
-    def _place(self, spec: WeightSpec, tensor) -> None:
-        if spec.index is None:
-            self.params.setdefault(spec.group, {})[spec.name] = tensor
+    def _read_whole(self) -> None:
+        source, specs = self.weight_source, self.specs()
+        self._check_fits(sum(_numel(spec.shape) for spec in specs))
+        if isinstance(source, RandomWeights):
+            draw = self._random_drawer(source.seed)
+            tensors = ((spec, draw(spec, source.std)) for spec in specs)
         else:
-            layers = self.params.setdefault(spec.group, [])
-            while len(layers) <= spec.index:
-                layers.append({})
-            layers[spec.index][spec.name] = tensor
+            tensors = ((spec, self._convert(tensor))
+                       for spec, tensor in read_tensors(specs, source.files, device=self._read_device()))
+        params: dict = {}
+        for spec, tensor in tensors:
+            if spec.index is None:
+                params.setdefault(spec.group, {})[spec.name] = tensor
+            else:
+                layers = params.setdefault(spec.group, [])
+                while len(layers) <= spec.index:
+                    layers.append({})
+                layers[spec.index][spec.name] = tensor
+        self.params = params
+
+    def _check_fits(self, elements: int) -> None:
+        """Raises, before anything is allocated, when the whole model cannot fit where its weights would go."""
+        needed, (where, free) = elements * self._weight_itemsize(), self._free_memory()
+        if needed > free:
+            raise MemoryError(
+                f"{self.card.name} has {elements / 1e9:.2f} billion parameters: its weights need "
+                f"{needed / 2**30:.1f} GiB on {where}, which has {free / 2**30:.1f} GiB free. Shard it before it "
+                f"is used: {self._shard_hint} reads only each rank's part of every weight.")
+
+    def _free_memory(self) -> tuple[str, int]:
+        """(where the weights go, how many bytes are free there): the host's available memory by default."""
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+            return "the host", int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
+        except (OSError, StopIteration):
+            return "the host", os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    _shard_hint = "sharding"
+
+    @abstractmethod
+    def _weight_itemsize(self) -> int:
+        """Bytes an element of a weight takes."""
 
     def named_weights(self):
         """(checkpoint name, tensor) for every weight, in checkpoint order; tied ones once."""
+        params = self.params
         for spec in self.specs():
-            group = self.params[spec.group]
+            group = params[spec.group]
             yield spec.checkpoint_name, (group[spec.name] if spec.index is None else group[spec.index][spec.name])
 
     def _read_device(self) -> str:
@@ -120,3 +168,10 @@ class LoadedModel(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.card.name}, entries={self.entries}, numerics={self.numerics!r})"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n

@@ -5,7 +5,12 @@ A checkpoint is a folder of SafeTensors files (one `model.safetensors`, or
 shards listed by `model.safetensors.index.json`), given explicitly, or found
 in the local Hugging Face cache for the card's repo id without a network call.
 Every name and shape is checked from the files' headers before any tensor is
-read, so a wrong checkpoint fails at once and says what is wrong."""
+read, so a wrong checkpoint fails at once and says what is wrong.
+
+A loaded model holds where its weights come from (`RandomWeights` or
+`CheckpointWeights`) until they are first needed: whole, or, when the model is
+sharded first, only this rank's part of each group (`SliceReader` reads the
+rows that cover a range of a group's flat buffer, and counts the bytes)."""
 
 from __future__ import annotations
 
@@ -28,6 +33,21 @@ class WeightSpec:
     checkpoint_name: str
     shape: tuple[int, ...]
     init: str  # "normal" or "ones"
+
+
+@dataclass(frozen=True)
+class RandomWeights:
+    """Normal(0, std) matrices and unit norms, drawn in checkpoint order from one generator seeded `seed`."""
+
+    seed: int
+    std: float
+
+
+@dataclass(frozen=True)
+class CheckpointWeights:
+    """A checked checkpoint: each tensor name -> the file that holds it."""
+
+    files: dict[str, Path]
 
 
 def weight_specs(checked: Checked) -> list[WeightSpec]:
@@ -140,3 +160,46 @@ def read_tensors(specs: list[WeightSpec], files: dict[str, Path], device: str = 
         with safe_open(file, framework="pt", device=str(device)) as f:
             for spec in file_specs:
                 yield spec, f.get_tensor(spec.checkpoint_name)
+
+
+class SliceReader:
+    """Ranges of a checkpoint's tensors, each read as the fewest whole rows that cover it
+    (`safe_open(...).get_slice`); every file is opened once, and `bytes_read` counts what was read."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files, self.bytes_read, self._open = files, 0, {}
+
+    def __enter__(self) -> "SliceReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open.clear()
+
+    def read(self, spec: WeightSpec, start: int, end: int):
+        """Elements [start, end) of `spec`'s tensor, flattened, in the dtype it is stored in."""
+        path = self.files[spec.checkpoint_name]
+        if path not in self._open:
+            from safetensors import safe_open
+
+            self._open[path] = safe_open(path, framework="pt")
+        row = 1
+        for size in spec.shape[1:]:
+            row *= size
+        first, last = start // row, -(-end // row)
+        rows = self._open[path].get_slice(spec.checkpoint_name)[first:last]
+        self.bytes_read += rows.numel() * rows.element_size()
+        return rows.reshape(-1)[start - first * row:end - first * row]
+
+    def read_flat(self, specs: list[WeightSpec], offsets: tuple[int, ...], start: int, end: int):
+        """Elements [start, end) of a group's flat f32 buffer (`specs` at `offsets`), zero in the padding."""
+        import torch
+
+        out = torch.zeros(end - start, dtype=torch.float32)
+        for spec, offset in zip(specs, offsets):
+            numel = 1
+            for size in spec.shape:
+                numel *= size
+            lo, hi = max(start, offset), min(end, offset + numel)
+            if lo < hi:
+                out[lo - start:hi - start] = self.read(spec, lo - offset, hi - offset)
+        return out

@@ -16,8 +16,10 @@ LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_
                       original_max_position_embeddings=64)
 
 
-def save_hf_llama(folder: Path, seed: int = 0, rope_scaling: dict | None = None, **overrides) -> Path:
-    """A LlamaForCausalLM with random weights, written by save_pretrained; returns its card."""
+def save_hf_llama(folder: Path, seed: int = 0, rope_scaling: dict | None = None, max_shard_size: str = "5GB",
+                  dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """A LlamaForCausalLM with random weights, written by save_pretrained (in files of at most
+    max_shard_size, with an index when there are several); returns its card."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = {**BASE, **overrides}
@@ -28,7 +30,7 @@ def save_hf_llama(folder: Path, seed: int = 0, rope_scaling: dict | None = None,
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(0.1 * torch.randn_like(param))
-    model.save_pretrained(folder / "hf")
+    model.to(dtype).save_pretrained(folder / "hf", max_shard_size=max_shard_size)
     return write_card(folder, config, rope_scaling, repo=str(folder / "hf"))
 
 

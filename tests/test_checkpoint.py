@@ -152,3 +152,46 @@ def test_truncated_and_unfinished_checkpoints_are_passed_over(tmp_path):
         assert unsharded_run(folder, 6).resumed_from == 4
     messages = " ".join(str(w.message) for w in caught)
     assert "step-00000005: no MANIFEST.json" in messages and "step-00000006.partial" in messages
+
+
+def resume_holding(rank: int, world: int, folder: str) -> tuple[int, int, int]:
+    """Resumes a sharded run of tiny-llama from `folder`: (the most full groups alive at once, the largest
+    one's elements, the elements of this rank's parts)."""
+    import weakref
+
+    from linnet.checkpoint import Checkpointer
+    from linnet.torch import fully_shard
+
+    model = fully_shard(nest.load("tiny-llama", numerics="exact", generics={"Batch": 1, "MaxSeq": 2 * HALF, "T": "f32"},
+                                  cast_dtype=True, trainable=True, weights="random", entry="loss_packed"))
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3)
+    alive, most, largest = [], 0, 0
+    concatenate, part = torch.cat, max(p.numel() for p in model.parameters())
+
+    def watched_cat(tensors, *args, **kwargs):  # re-splitting joins the saved parts of one group at a time
+        nonlocal most, largest
+        joined = concatenate(tensors, *args, **kwargs)
+        if joined.numel() > part:
+            alive[:] = [ref for ref in alive if ref() is not None] + [weakref.ref(joined)]
+            most, largest = max(most, len(alive)), max(largest, joined.numel())
+        return joined
+
+    torch.cat = watched_cat
+    try:
+        assert Checkpointer(folder, model, optimizer).resume() == 4
+    finally:
+        torch.cat = concatenate
+    return most, largest, sum(p.numel() for p in model.parameters())
+
+
+def test_a_sharded_checkpoint_holds_parts_and_resumes_one_group_at_a_time(tmp_path):
+    folder = tmp_path / "ckpt"
+    run(resume_run, 2, str(folder), 4, 4, timeout=300)
+    (saved,) = [f for f in (folder / "step-00000004").iterdir() if f.name.startswith("rank-00000")]
+    parts = torch.load(saved, weights_only=False)["parts"]
+    same = run(resume_holding, 2, str(folder), timeout=300)
+    assert sum(p.numel() for p in parts) == same[0][2]  # what a rank saved is its parts
+    assert all(most == 0 for most, _, _ in same)  # at the same world size each rank reads its own file only
+    layer = sum(size for size in (96 * 96, 48 * 96, 48 * 96, 96 * 96, 256 * 96, 256 * 96, 96 * 256, 96, 96))
+    for most, largest, _ in run(resume_holding, 3, str(folder), timeout=300):
+        assert most == 1 and largest <= layer + 16  # re-split from 2 ranks' files: one group in flight at a time

@@ -1,8 +1,9 @@
 """linnet.jax.train over meshes of 1, 2 and 4 CPU devices (conftest.py asks
 XLA for four): fully sharded training equals unsharded single-device
-training on the same global batch, step by step; it equals PyTorch's training
-from the same card; checkpoints resume exactly, on another mesh too; and the
-trained weights load in transformers."""
+training on the same global batch, step by step (weights never read whole
+are drawn into parts and stay parts; weights read whole come back whole); it
+equals PyTorch's training from the same card; checkpoints resume exactly, on
+another mesh too; and the trained weights load in transformers."""
 
 from __future__ import annotations
 
@@ -113,8 +114,16 @@ def test_sharded_training_equals_one_device(card, devices, batch):
                                       remat=False, on_step=lambda step: None)
     # f32 throughout: only the order of the sums differs (per device, then reduce-scattered).
     np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-5)
-    assert_same_weights(params, expected_params, 1e-5)
-    assert model.params is params  # the model holds the trained weights again
+    assert params is model.weight_source.parts  # drawn straight into parts, and left so
+    assert_same_weights(model.params, expected_params, 1e-5)  # gathered whole when asked
+
+
+def test_weights_read_whole_come_back_whole(card):
+    model = load(card)
+    groups = set(model.params)  # read whole
+    params, _ = jax_train.train(model, rows(2), optimizer=adamw(), steps=1, mesh=mesh(2), on_step=lambda step: None)
+    assert model.weight_source is None and model.params is params and params.keys() == groups
+    assert params["layers"][0]["q_proj"].shape == (80, 80)
 
 
 def test_remat_recomputes_the_same_step(card):

@@ -1,7 +1,12 @@
 """A card loaded for JAX (`backend="jax_source"`): the generated jax.numpy
 functions, each taking `(params, *inputs)` and jitted, the weights as a
 pytree (`model.params`), and `model.save_weights(folder)`, which writes a
-Hugging Face checkpoint. linnet/jax/train.py trains it, fully sharded."""
+Hugging Face checkpoint. linnet/jax/train.py trains it, fully sharded.
+
+A model trained before its weights were read whole keeps them as the parts
+training left over the mesh (`model.weight_source` is a `ShardedWeights`):
+`save_weights` writes them a group at a time; `model.params`, and so the
+entries and `evaluate`, gather them whole, group by group, if they fit."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet.emit.jax_backend import JAX
+from linnet.jax.shard import ShardedWeights, group_specs, part_at, unshard_weights
 from linnet.model import LoadedModel
 
 JAX_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -33,14 +39,43 @@ class JaxModel(LoadedModel):
         return jnp.asarray(tensor.float().numpy(), dtype=self.weight_dtype)
 
     def _random_drawer(self, seed: int):
+        draw = self.host_drawer(seed)
+        return lambda spec, std: jnp.asarray(draw(spec, std), dtype=self.weight_dtype)
+
+    def host_drawer(self, seed: int):
+        """draw(spec, std) -> a random weight as an f32 numpy array: called in checkpoint order, the model's values."""
         rng = np.random.default_rng(seed)
 
         def draw(spec, std):
             if spec.init == "ones":
-                return jnp.ones(spec.shape, self.weight_dtype)
-            return jnp.asarray(rng.normal(0.0, std, spec.shape).astype(np.float32), dtype=self.weight_dtype)
+                return np.ones(spec.shape, np.float32)
+            return rng.normal(0.0, std, spec.shape).astype(np.float32)
 
         return draw
+
+    def _weight_itemsize(self) -> int:
+        return jnp.dtype(self.weight_dtype).itemsize
+
+    def _free_memory(self) -> tuple[str, int]:
+        device = jax.devices()[0]  # where jnp puts the weights
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:  # the host's memory (CPU devices report none)
+            return super()._free_memory()
+        return str(device), stats["bytes_limit"] - stats["bytes_in_use"]
+
+    def _read_whole(self) -> None:
+        source = self.weight_source
+        if not isinstance(source, ShardedWeights):
+            super()._read_whole()
+            return
+        try:
+            self._check_fits(sum(int(np.prod(spec.shape)) for spec in self.specs()))
+        except MemoryError as error:
+            raise MemoryError(f"{error} (Its weights are the parts linnet.jax.train left over the mesh: "
+                              f"model.save_weights(folder) writes them a group at a time.)") from None
+        self.params = unshard_weights(self.checked, source.parts, source.layouts)  # consumes the parts
+
+    _shard_hint = "train it with linnet.jax.train over a mesh, which"
 
     def check_whole(self, doing: str) -> None:
         """Raises while linnet.jax.train holds the weights as parts (from an on_step, say)."""
@@ -48,8 +83,10 @@ class JaxModel(LoadedModel):
             raise RuntimeError(f"{doing}: {self.card.name}'s weights are parts of a running linnet.jax.train; "
                                f"call it after train returns")
 
-    def save_weights(self, path, dtype=jnp.bfloat16) -> Path:
-        """One SafeTensors file under Hugging Face names, and the config.json transformers loads it with."""
+    def save_weights(self, path, dtype=jnp.bfloat16, max_shard_size: int | str = "5GB") -> Path:
+        """SafeTensors files of at most max_shard_size (an index when several) under Hugging Face names, and the
+        config.json transformers loads them with; written a group at a time (from parts, each fetched whole
+        to the host once)."""
         self.check_whole("save_weights")
         import torch
 
@@ -60,9 +97,21 @@ class JaxModel(LoadedModel):
         if jnp.dtype(dtype) not in names:
             raise ValueError(f"save_weights(dtype=...) takes one of {list(JAX_DTYPES.values())}, got {dtype}")
         torch_dtype = TORCH_DTYPES[names[jnp.dtype(dtype)]]
-        tensors = {name: torch.from_numpy(np.array(weight, np.float32)).to(torch_dtype)
-                   for name, weight in self.named_weights()}
-        return write_hf_checkpoint(self.card, tensors, Path(path), torch_dtype)
+        shapes = {spec.checkpoint_name: spec.shape for spec in self.specs()}
+        tensors = ((name, torch.from_numpy(weight)) for name, weight in self._host_weights())  # converted as written
+        return write_hf_checkpoint(self.card, shapes, tensors, Path(path), torch_dtype, max_shard_size=max_shard_size)
+
+    def _host_weights(self):
+        """(checkpoint name, f32 numpy array) for every weight, in checkpoint order; from parts, a group at a time."""
+        source = self.weight_source
+        if not isinstance(source, ShardedWeights):
+            for name, weight in self.named_weights():
+                yield name, np.array(weight, np.float32)
+            return
+        for decl, index, specs in group_specs(self.checked, self.specs()):
+            flat = np.array(part_at(source.parts, decl.key, index))
+            for spec, offset in zip(specs, source.layouts[decl.name].offsets):
+                yield spec.checkpoint_name, flat[offset:offset + int(np.prod(spec.shape))].reshape(spec.shape)
 
     def _check_placement(self, entry: str, inputs) -> None:
         self.check_whole(f"{entry}()")

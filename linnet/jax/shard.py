@@ -4,7 +4,9 @@ The same plan as linnet/torch/shard.py, in JAX's terms:
   1. each group's weights (the embedding, each layer, the final norm with the
      head) are laid out in one flat f32 buffer, padded to divide by the number
      of devices, and placed split over the mesh's axis: each device holds its
-     part;
+     part. A model whose weights were never read whole builds each part
+     straight on its device (`parts_from_source`): a checkpoint's slices that
+     cover it, or its group drawn on the host;
   2. the card's entries are emitted in their sharded form (`linnet jax CARD
      --fully-shard` prints it), with `gather` and `checkpointed` bound here:
      `gather` casts a part to the compute dtype and all-gathers it, and its
@@ -19,14 +21,18 @@ parts and calls them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from linnet.cardlang.check import Checked
+from linnet.cardlang.program import GroupDecl
+from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, WeightSpec
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,70 @@ def shard_weights(checked: Checked, params: dict, layouts: dict[str, GroupLayout
             while layers:
                 parts[decl.key].append(jax.device_put(flatten(layers.pop(0), layout), placement))
     return parts
+
+
+@dataclass(frozen=True)
+class ShardedWeights:
+    """Where a model's weights are after linnet.jax.train, if they were never whole: its groups' parts."""
+
+    parts: dict  # as params, each group's weights one flat f32 array split over the mesh
+    layouts: dict[str, GroupLayout]
+    mesh: Mesh
+
+
+def group_specs(checked: Checked, specs: list[WeightSpec]) -> Iterator[tuple[GroupDecl, int | None, list[WeightSpec]]]:
+    """Each group of weights in checkpoint order: (its declaration, its layer or None, its specs in flat order)."""
+    by_group: dict = {}
+    for spec in specs:
+        by_group.setdefault((spec.group, spec.index), []).append(spec)
+    for decl in checked.program.groups.values():
+        for index in [None] if decl.repeat is None else range(checked.repeat(decl.name)):
+            yield decl, index, by_group.get((decl.key, index), [])
+
+
+def part_at(parts: dict, key: str, index: int | None) -> jax.Array:
+    return parts[key] if index is None else parts[key][index]
+
+
+def parts_from_source(model, layouts: dict[str, GroupLayout], mesh: Mesh) -> dict:
+    """The model's parts built on their devices from `model.weight_source`, never the whole model at once:
+    each device's range of a checkpoint read alone, or one group at a time whole on the host (drawn in the
+    unsharded model's order, so with its values whatever the mesh; or fetched from parts on another mesh)."""
+    source = model.weight_source
+    if isinstance(source, ShardedWeights) and source.mesh == mesh:
+        return source.parts
+    placement = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    reader = SliceReader(source.files) if isinstance(source, CheckpointWeights) else None
+    draw = model.host_drawer(source.seed) if isinstance(source, RandomWeights) else None
+    parts: dict = {}
+    for decl, index, specs in group_specs(model.checked, model.specs()):
+        layout = layouts[decl.name]
+        if reader is not None:
+            read = partial(reader.read_flat, specs, layout.offsets)
+        else:
+            flat = np.zeros(layout.total, np.float32)
+            if draw is not None:
+                for spec, offset in zip(specs, layout.offsets):
+                    flat[offset:offset + _numel(spec.shape)] = draw(spec, source.std).reshape(-1)
+            else:
+                flat[:layout.extent] = np.asarray(part_at(source.parts, decl.key, index))[:layout.extent]
+            read = partial(_cut, flat)
+        part = _place(layout.total, placement, read)
+        if index is None:
+            parts[decl.key] = part
+        else:
+            parts.setdefault(decl.key, []).append(part)
+    return parts
+
+
+def _place(total: int, placement: NamedSharding, read: Callable) -> jax.Array:
+    """A flat f32 array of `total` elements, split as `placement` says, each device's range from read(start, end)."""
+    return jax.make_array_from_callback((total,), placement,
+                                        lambda index: np.asarray(read(*index[0].indices(total)[:2])))
+
+
+def _cut(flat: np.ndarray, start: int, end: int) -> np.ndarray:
+    return flat[start:end]
 
 
 def placements(tree, parts, mesh: Mesh):

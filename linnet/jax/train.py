@@ -14,16 +14,21 @@ reported is the token-weighted mean over the whole global batch: each
 device's mean is scaled by its share of the batch's loss weight, so the
 summed gradients are those of the global mean.
 
-`train` takes over `model.params`: while it runs they are the parts; when it
-returns they are the trained weights again (as `params`, which it returns
-too), so `model.loss_packed`, `evaluate` and `model.save_weights` use them."""
+`train` takes over the model's weights: while it runs they are the parts.
+Weights that were read whole are whole again when it returns (as
+`model.params`, which it returns too). Weights not read yet (a model fresh
+from `nest.load`) are built straight into their parts, from a checkpoint's
+slices or drawn a group at a time, and stay parts after it (held by
+`model.weight_source` and returned): `model.save_weights` writes them a group
+at a time; `model.params`, `model.loss_packed` and `evaluate` gather them
+whole."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from functools import partial
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +59,9 @@ def train(
     checkpoint: str | None = None,
     checkpoint_every: int | None = None,
 ) -> tuple[dict, History]:
-    """`steps` optimizer steps, each over mesh.size x Batch rows of `batches`; returns (params, history).
+    """`steps` optimizer steps, each over mesh.size x Batch rows of `batches`; returns (params, history):
+    params whole if the model's weights were read whole before, else its parts (each group one flat f32
+    array split over the mesh).
 
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input.
     checkpoint: a folder to resume from, and to save into every `checkpoint_every` steps (if given) and after
@@ -64,7 +71,11 @@ def train(
     batch = model.generics["Batch"]
     rows_a_step = mesh.size * batch
     layouts = shard.group_layouts(model.checked, mesh.size)
-    parts = shard.shard_weights(model.checked, model.params, layouts, mesh)
+    stays_parts = model.weight_source is not None  # never read whole, so never made whole here
+    if stays_parts:
+        parts = shard.parts_from_source(model, layouts, mesh)
+    else:
+        parts = shard.shard_weights(model.checked, model.params, layouts, mesh)
     model.params, model.training_mesh = parts, mesh
     opt_state = None
     try:
@@ -107,11 +118,15 @@ def train(
             report(record)
             if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
                 checkpointer.save(step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size)
-    finally:  # however the run ends, the model holds whole weights again (the state goes first, to make room)
-        del opt_state
-        model.params = shard.unshard_weights(model.checked, parts, layouts)
+    finally:  # however the run ends, the model holds its weights as they came: parts, or whole again
+        del opt_state  # first, to make room
+        if stays_parts:
+            model.params = {}  # which clears weight_source: set it after
+            model.weight_source = shard.ShardedWeights(parts, layouts, mesh)
+        else:
+            model.params = shard.unshard_weights(model.checked, parts, layouts)
         model.training_mesh = None
-    return model.params, history
+    return (parts if stays_parts else model.params), history
 
 
 def evaluate(model: JaxModel, batches: Iterable[Row]) -> float:

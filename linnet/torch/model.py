@@ -48,6 +48,16 @@ class TorchModel(LoadedModel):
 
         return draw
 
+    def _weight_itemsize(self) -> int:
+        return torch.empty((), dtype=self.weight_dtype).element_size()
+
+    def _free_memory(self) -> tuple[str, int]:
+        if self.device.type == "cuda":
+            return str(self.device), torch.cuda.mem_get_info(self.device)[0]
+        return super()._free_memory()
+
+    _shard_hint = "call linnet.torch.fully_shard(model) first (under torchrun, a process a GPU), which"
+
     def _as_weight(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.nn.Parameter(tensor) if self.trainable else tensor
 
@@ -61,21 +71,32 @@ class TorchModel(LoadedModel):
             parts = self.params[decl.key]
             yield from (parts if decl.repeat is not None else [parts])
 
-    def save_weights(self, path, dtype: torch.dtype = torch.bfloat16) -> Path:
-        """One SafeTensors file under Hugging Face names, and the config.json transformers loads it with.
+    def save_weights(self, path, dtype: torch.dtype = torch.bfloat16, max_shard_size: int | str = "5GB") -> Path:
+        """A Hugging Face checkpoint: SafeTensors files of at most max_shard_size ("5GB" is 5e9 bytes;
+        several come with model.safetensors.index.json) and the config.json transformers loads them with.
 
-        Sharded, every rank must call it: the parts are gathered and the first rank writes; if the
-        write fails, every rank raises."""
-        from linnet.export import write_hf_checkpoint
+        Sharded, every rank must call it: each group is gathered in turn and the first rank writes it,
+        so no rank holds more than one group whole; if the write fails, every rank raises."""
+        from linnet.export import check_dtype, write_hf_checkpoint
 
+        check_dtype(dtype)
+        shapes = {spec.checkpoint_name: spec.shape for spec in self.specs()}
         if self.sharding is None:
-            tensors = {name: tensor.detach().to(dtype) for name, tensor in self.named_weights()}
-            return write_hf_checkpoint(self.card, tensors, Path(path), dtype)
-        from linnet.agree import first_rank_does
+            return write_hf_checkpoint(self.card, shapes, self.named_weights(), Path(path), dtype, max_shard_size=max_shard_size)
+        from linnet.agree import together
         from linnet.torch.shard import gathered_weights
 
-        tensors = dict(gathered_weights(self, dtype))
-        first_rank_does(lambda: write_hf_checkpoint(self.card, tensors, Path(path), dtype), f"write the weights to {path}")
+        gathered = gathered_weights(self, dtype)
+
+        def write_or_follow():
+            try:
+                if self.sharding.rank == 0:
+                    write_hf_checkpoint(self.card, shapes, gathered, Path(path), dtype, max_shard_size=max_shard_size)
+            finally:
+                for _ in gathered:  # the other ranks are in the gathers of the groups left: join them to the end
+                    pass
+
+        together(write_or_follow, f"write the weights to {path}")
         return Path(path)
 
     def _check_placement(self, entry: str, inputs) -> None:

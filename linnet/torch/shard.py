@@ -7,8 +7,10 @@ The order is fixed:
   1. resolve the process group and check the model against it;
   2. lay out each group (the embedding, each layer, the final norm with the
      head) in one flat buffer, aligned and padded to divide by the world;
-  3. keep this rank's part of each buffer and drop the full weights, group by
-     group, so the model is never held twice;
+  3. keep this rank's part of each buffer: read only the rows of the
+     checkpoint that cover it, or draw one group at a time (the values the
+     unsharded model draws), when the model was not read yet; else drop the
+     full weights group by group, so the model is never held twice;
   4. regenerate the entries under a communication schedule
      (linnet/emit/schedule.py: each layer's gather launched `prefetch` layers
      ahead) with the functions it calls bound here: the backward of a gather
@@ -37,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from linnet.emit.schedule import Schedule
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
+from linnet.weights import CheckpointWeights, RandomWeights, SliceReader
 
 ALIGN = 16  # elements: each tensor of a group starts on a 64-byte boundary in f32
 
@@ -122,15 +125,8 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, re
         layouts[decl.name] = GroupLayout(decl.name, tuple(w.name for w in weights), shapes, tuple(layout.offsets),
                                          layout.total, layout.part_size)
         _check_split(layouts[decl.name], world)
-    parts = {}
-    for decl in checked.program.groups.values():
-        layout = layouts[decl.name]
-        if decl.repeat is None:
-            parts[decl.key] = _shard_group(model.params.pop(decl.key), layout, rank, world, model.trainable)
-        else:
-            layers = model.params.pop(decl.key)
-            parts[decl.key] = [_shard_group(layers[i], layout, rank, world, model.trainable) for i in range(len(layers))]
-            del layers
+    read = _parts_from_weights if model.weight_source is None else _parts_from_source  # loaded whole, or not read yet
+    parts = read(model, layouts, rank, world)
     model.params = parts
     model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
                               reduce_dtype if world > 1 else torch.float32, schedule)
@@ -159,7 +155,20 @@ def _check_split(layout: GroupLayout, world: int) -> None:
         )
 
 
-def _shard_group(weights: dict, layout: GroupLayout, rank: int, world: int, trainable: bool) -> torch.Tensor:
+def _parts_from_weights(model: TorchModel, layouts: dict, rank: int, world: int) -> dict:
+    """This rank's part of each group of weights already read, dropping the full weights group by group."""
+    parts = {}
+    for decl in model.checked.program.groups.values():
+        layout, weights = layouts[decl.name], model.params.pop(decl.key)
+        if decl.repeat is None:
+            parts[decl.key] = _part_of(weights, layout, rank, world, model.trainable)
+        else:
+            parts[decl.key] = [_part_of(weights[i], layout, rank, world, model.trainable) for i in range(len(weights))]
+            del weights
+    return parts
+
+
+def _part_of(weights: dict, layout: GroupLayout, rank: int, world: int, trainable: bool) -> torch.nn.Parameter:
     with torch.no_grad():
         tensors = [weights[name].detach().reshape(-1) for name in layout.names]
         flat = ops.flatten(tensors, list(layout.offsets), layout.total)
@@ -167,6 +176,33 @@ def _shard_group(weights: dict, layout: GroupLayout, rank: int, world: int, trai
         weights.clear()  # the full weights go as soon as the part exists
         part = ops.shard(flat, rank, world)
     return torch.nn.Parameter(part, requires_grad=trainable)
+
+
+def _parts_from_source(model: TorchModel, layouts: dict, rank: int, world: int) -> dict:
+    """This rank's part of each group, read from a checkpoint's slices (the rows covering the part) or drawn
+    a group at a time in the order, and so with the values, of the unsharded model's draw."""
+    source, specs = model.weight_source, {}
+    for spec in model.specs():
+        specs.setdefault((spec.group, spec.index), {})[spec.name] = spec
+    draw = model._random_drawer(source.seed) if isinstance(source, RandomWeights) else None
+    reader = SliceReader(source.files) if isinstance(source, CheckpointWeights) else None
+    parts = {}
+    for decl in model.checked.program.groups.values():
+        layout = layouts[decl.name]
+        for index in ([None] if decl.repeat is None else range(model.checked.repeat(decl.name))):
+            group_specs = [specs[(decl.key, index)][name] for name in layout.names]
+            if draw is not None:
+                part = _part_of({spec.name: draw(spec, source.std) for spec in group_specs}, layout, rank, world,
+                                model.trainable)
+            else:
+                start = rank * layout.part_size
+                flat = reader.read_flat(group_specs, layout.offsets, start, start + layout.part_size)
+                part = torch.nn.Parameter(flat.to(model.device), requires_grad=model.trainable)
+            if decl.repeat is None:
+                parts[decl.key] = part
+            else:
+                parts.setdefault(decl.key, []).append(part)
+    return parts
 
 
 def _bindings(sharding: Sharding) -> dict:
@@ -271,8 +307,9 @@ def gathered_weights(model: TorchModel, dtype: torch.dtype):
             with torch.no_grad():
                 full = ops.wait(ops.all_gather(part.detach(), dtype, sharding.world, sharding.group_name)[0]).cpu()
             views = ops.group_views(full, list(layout.offsets), layout.shapes)
-            for name, view in zip(layout.names, views):
-                yield specs[(decl.key, index if decl.repeat is not None else None, name)], view
+            del full
+            while views:  # each view goes once yielded, and the group's buffer with the last
+                yield specs[(decl.key, index if decl.repeat is not None else None, layout.names[-len(views)])], views.pop(0)
 
 
 def _gather_policy(ctx, func, *args, **kwargs):

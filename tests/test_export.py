@@ -1,0 +1,161 @@
+"""Writing Hugging Face checkpoints: the plan of the files, SafeTensors written by
+hand read back by safetensors, transformers and Linnet; sharded saves equal
+unsharded ones; a failed write leaves nothing behind and reaches every rank."""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distributed import run
+from linnet import nest
+from linnet.cards import resolve
+from linnet.export import parse_size, plan_files, write_hf_checkpoint
+
+GENERICS = {"Batch": 1, "MaxSeq": 32, "T": "f32"}
+TOKENS = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(3))
+CARD = resolve("tiny-llama")
+SHAPES = {"a.weight": (7, 5), "b.weight": (3,), "c.scale": (), "d.weight": (11, 13), "e.weight": (2, 3, 5)}
+
+
+def load():
+    """tiny-llama (about 1 MB in f32) with seeded random f32 weights."""
+    return nest.load("tiny-llama", generics=GENERICS, numerics="exact", cast_dtype=True, trainable=True,
+                     weights="random", seed=0)
+
+
+def random_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+
+
+def weight_files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_plan_fills_files_in_order_and_gives_a_larger_tensor_its_own():
+    assert plan_files({"a": 40, "b": 60, "c": 150, "d": 30, "e": 71}, 100) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert plan_files({"a": 40, "b": 150, "c": 30}, 100) == [["a"], ["b"], ["c"]]
+    assert plan_files({"a": 40, "b": 60}, "5GB") == [["a", "b"]]
+    sizes = [parse_size(s) for s in ("5GB", "500MB", "10kb", "1.5 MB", 123)]
+    assert sizes == [5 * 10**9, 5 * 10**8, 10**4, 1_500_000, 123]
+    with pytest.raises(ValueError, match=r"max_shard_size takes .* got '5GiB'"):
+        parse_size("5GiB")
+
+
+def test_plan_is_huggingface_hubs_where_no_tensor_passes_the_limit():
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    tensors = {f"t{i}": torch.zeros(n) for i, n in enumerate([30, 20, 50, 10, 90, 40, 40, 1, 99])}
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=400)
+    assert list(split.filename_to_tensors.values()) == plan_files({n: t.nbytes for n, t in tensors.items()}, 400)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_files_read_back_by_safetensors_bit_for_bit(tmp_path, dtype):
+    tensors = random_tensors()
+    folder = write_hf_checkpoint(CARD, SHAPES, iter(tensors.items()), tmp_path / "out", dtype, max_shard_size=200)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted({*index["weight_map"].values()})
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert index["metadata"]["total_size"] == sum(t.numel() for t in tensors.values()) * dtype.itemsize
+    read = {name: (file, tensor) for file in files for name, tensor in load_file(folder / file).items()}
+    assert list(read) == list(SHAPES) and index["weight_map"] == {name: file for name, (file, _) in read.items()}
+    for name, tensor in tensors.items():
+        assert read[name][1].dtype == dtype and torch.equal(read[name][1], tensor.to(dtype)), name
+    config = json.loads((folder / "config.json").read_text())
+    assert config == {**CARD.config, "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def test_a_new_save_replaces_the_weight_files_of_an_earlier_one(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "README.md").write_text("mine")
+    write_hf_checkpoint(CARD, SHAPES, iter(random_tensors().items()), folder, torch.float32, max_shard_size=200)
+    write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(1).items()), folder, torch.float32)
+    assert sorted(weight_files(folder)) == ["README.md", "config.json", "model.safetensors"]
+    write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(2).items()), folder, torch.float32, max_shard_size=200)
+    assert "model.safetensors" not in weight_files(folder) and "README.md" in weight_files(folder)
+    assert list(tmp_path.iterdir()) == [folder]
+
+
+def test_several_files_load_in_transformers_and_back_in_linnet(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = load()
+    model.save_weights(tmp_path / "out", dtype=torch.float32, max_shard_size="200KB")
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 3
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        expected = model.logits(TOKENS)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+        torch.testing.assert_close(reloaded(input_ids=TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+        again = nest.load("tiny-llama", generics=GENERICS, numerics="exact", weights=tmp_path / "out")
+        for (name, tensor), (name_read, read) in zip(model.named_weights(), again.named_weights(), strict=True):
+            assert name == name_read and torch.equal(tensor, read), name
+        torch.testing.assert_close(again.logits(TOKENS), expected, rtol=0, atol=0)
+
+
+def fails_after(count: int, error: Exception):
+    """(name, tensor) of random_tensors, then `error` where the count-th would be."""
+    yield from list(random_tensors().items())[:count]
+    raise error
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (lambda: fails_after(3, OSError("lost the source")), "OSError: lost the source"),
+    (lambda: iter(list(random_tensors().items())[:4]), r"the tensors ended before e.weight, \(2, 3, 5\)"),
+    (lambda: iter([*random_tensors().items(), ("f.weight", torch.zeros(1))]), "got f.weight after the last of the 5"),
+    (lambda: iter(reversed(random_tensors().items())),
+     r"expected a.weight of shape \(7, 5\) next, got e.weight of shape \(2, 3, 5\)"),
+])
+def test_a_failed_write_leaves_nothing_and_names_the_folder(tmp_path, tensors, message):
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError, match=f"writing the weights to {re.escape(str(target))} failed: .*{message}"):
+        write_hf_checkpoint(CARD, SHAPES, tensors(), target, torch.float32, max_shard_size=200)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_under_a_file_leaves_nothing_and_names_the_folder(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    target = tmp_path / "a-file" / "out"
+    with pytest.raises(RuntimeError, match=f"writing the weights to {re.escape(str(target))} failed: NotADirectoryError"):
+        load().save_weights(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def sharded_saves(rank: int, world: int, folder: str) -> str | None:
+    """A sharded save, then a second one into the same folder whose first rank's disk fills after one file."""
+    import os
+
+    from linnet.torch import fully_shard
+
+    model = fully_shard(load())
+    model.save_weights(folder, max_shard_size="100KB")
+    if rank == 0:
+        def disk_full(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.fsync = disk_full
+    try:
+        model.save_weights(folder, max_shard_size="100KB")
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_sharded_save_writes_the_unsharded_files_and_a_failure_reaches_every_rank(tmp_path):
+    load().save_weights(tmp_path / "unsharded", max_shard_size="100KB")
+    first, second = run(sharded_saves, 2, str(tmp_path / "sharded"), timeout=120)
+    assert len(weight_files(tmp_path / "unsharded")) > 3
+    assert weight_files(tmp_path / "sharded") == weight_files(tmp_path / "unsharded")  # the failed save changed nothing
+    folder = tmp_path / "sharded"
+    assert first == f"writing the weights to {folder} failed: OSError: [Errno 28] No space left on device"
+    assert second == f"could not write the weights to {folder}: rank 0: RuntimeError: {first}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sharded", "unsharded"]

@@ -1,0 +1,141 @@
+"""Weights built straight into their parts for linnet.jax.train (conftest.py asks
+XLA for four CPU devices): random ones drawn as the unsharded model draws them,
+bit for bit at any number of devices; a sharded checkpoint read by each device's
+range alone; and the parts training leaves, saved a group at a time without the
+model being made whole."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from jax.sharding import Mesh
+from safetensors.torch import load_file
+
+from hf_models import BASE, LLAMA3_SCALING, load_hf, save_hf_llama, write_card
+from linnet import nest
+from linnet.jax import shard
+from linnet.jax import train as jax_train
+from linnet.packing import Example, pack
+from linnet.weights import SliceReader
+
+ROW = 32
+TOKENS = np.random.default_rng(2).integers(0, 211, (1, ROW)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama written by transformers in files of at most 100KB, with an index."""
+    card = save_hf_llama(tmp_path_factory.mktemp("weights"), num_key_value_heads=2, max_shard_size="100KB")
+    folder = card.parent / "hf"
+    assert (folder / "model.safetensors.index.json").exists() and len(list(folder.glob("*.safetensors"))) > 2
+    return card
+
+
+def load(card, weights="random"):
+    return nest.load(card, backend="jax_source", numerics="exact", cast_dtype=True, weights=weights, seed=0,
+                     generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"})
+
+
+def mesh(devices: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:devices]), ("data",))
+
+
+def check_parts(model_whole, parts, devices: int) -> None:
+    """Each device holds exactly its range of each group's flat buffer, as the whole model's weights give it."""
+    layouts = shard.group_layouts(model_whole.checked, devices)
+    params = model_whole.params
+    for decl, index, _ in shard.group_specs(model_whole.checked, model_whole.specs()):
+        layout = layouts[decl.name]
+        expected = np.asarray(shard.flatten(shard.part_at(params, decl.key, index), layout))
+        part = shard.part_at(parts, decl.key, index)
+        assert part.dtype == jnp.float32 and part.shape == (layout.total,)
+        assert len(part.addressable_shards) == devices
+        for piece in part.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(piece.data), expected[piece.index])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])  # 3: every group padded
+def test_random_parts_are_the_unsharded_draw(tmp_path, tied, devices):
+    card = write_card(tmp_path, {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": tied}, LLAMA3_SCALING,
+                      repo="no-weights: random ones are drawn")
+    lazy = load(card)
+    parts = shard.parts_from_source(lazy, shard.group_layouts(lazy.checked, devices), mesh(devices))
+    assert lazy.weight_source is not None  # built from where the weights come from, never read whole
+    check_parts(load(card), parts, devices)
+
+
+@pytest.mark.parametrize("devices", [1, 3, 4])
+def test_checkpoint_parts_read_each_range_once(checkpoint, monkeypatch, devices):
+    readers = []
+
+    class CountingReader(SliceReader):
+        def __init__(self, files):
+            super().__init__(files)
+            readers.append(self)
+
+    monkeypatch.setattr(shard, "SliceReader", CountingReader)
+    lazy = load(checkpoint, weights=None)
+    layouts = shard.group_layouts(lazy.checked, devices)
+    parts = shard.parts_from_source(lazy, layouts, mesh(devices))
+    check_parts(load(checkpoint, weights=None), parts, devices)
+    model_bytes = 4 * sum(int(np.prod(spec.shape)) for spec in lazy.specs())  # stored in f32
+    largest_group = 4 * max(layout.extent for layout in layouts.values())
+    (reader,) = readers
+    # Each device reads the rows that cover its range: a row more at either end, never the whole model.
+    assert model_bytes <= reader.bytes_read <= model_bytes + devices * largest_group
+
+
+def rows(count: int) -> list:
+    rng = np.random.default_rng(7)
+    examples = [Example.prompted(rng.integers(0, 211, 8).tolist(), rng.integers(0, 211, 6).tolist())
+                for _ in range(4 * count)]
+    return list(pack(examples, ROW))[:count]
+
+
+def test_trained_parts_stay_parts_and_save_a_group_at_a_time(checkpoint, tmp_path):
+    model = load(checkpoint, weights=None)
+    parts, _ = jax_train.train(model, rows(2), optimizer=optax.adamw(1e-2), steps=1, mesh=mesh(2),
+                               on_step=lambda step: None)
+    assert isinstance(model.weight_source, shard.ShardedWeights) and model.weight_source.parts is parts
+    assert parts["layers"][0].shape == (shard.group_layouts(model.checked, 2)["Layer"].total,)
+    model.save_weights(tmp_path / "trained", dtype=jnp.float32, max_shard_size="100KB")
+    assert isinstance(model.weight_source, shard.ShardedWeights)  # saving did not make it whole
+    index = json.loads((tmp_path / "trained" / "model.safetensors.index.json").read_text())
+    saved = {}
+    for file in sorted(set(index["weight_map"].values())):
+        saved.update(load_file(tmp_path / "trained" / file))
+    whole = dict(model.named_weights())  # asked for whole: gathered, group by group
+    assert model.weight_source is None and saved.keys() == whole.keys()
+    for name, weight in whole.items():
+        np.testing.assert_array_equal(saved[name].numpy(), np.asarray(weight), err_msg=name)
+
+
+def test_parts_saved_untrained_give_transformers_the_same_logits(checkpoint, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = load(checkpoint, weights=None)
+    jax_train.train(model, [], optimizer=optax.adamw(1e-2), steps=0, mesh=mesh(3))  # built into parts, no step
+    model.save_weights(tmp_path / "saved", dtype=jnp.float32, max_shard_size="100KB")
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        expected = load_hf(checkpoint)(input_ids=torch.from_numpy(TOKENS).long()).logits
+        actual = saved.eval()(input_ids=torch.from_numpy(TOKENS).long()).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    np.testing.assert_allclose(np.asarray(model.logits(TOKENS)), expected.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_trained_parts_move_to_another_mesh_a_group_at_a_time(tmp_path):
+    card = write_card(tmp_path, {**BASE, "num_key_value_heads": 2}, LLAMA3_SCALING, repo="no-weights: random")
+    model = load(card)
+    parts, _ = jax_train.train(model, rows(4), optimizer=optax.adamw(1e-2), steps=1, mesh=mesh(4),
+                               on_step=lambda step: None)
+    assert shard.parts_from_source(model, shard.group_layouts(model.checked, 4), mesh(4)) is parts  # kept as they are
+    moved = shard.parts_from_source(model, shard.group_layouts(model.checked, 3), mesh(3))
+    check_parts(model, moved, 3)  # against the trained weights, gathered whole
