@@ -61,3 +61,22 @@ def test_cli_prints_cards_and_source(capsys):
     assert "# Prefetch depth 2" in source and "gathers.append(launch_gather(part, 'Layer'))" in source
     assert "x = after(x, launch_of(gathers, i + 2), launch_of(gathers, i - 3))" in source
     assert "    w = wait_gather(w, 'Layer')" in source
+
+
+# Parameter counts of the published models (transformers' LlamaForCausalLM with each config.json).
+PUBLISHED_PARAMETERS = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
+                        "llama-3.1-70b": 70_553_706_496}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+@pytest.mark.parametrize("variant", ["", "-instruct"])
+def test_cards_have_the_published_parameter_counts(name, variant):
+    from linnet.weights import weight_specs
+
+    count = 0
+    for spec in weight_specs(cards.resolve(name + variant).checked()):
+        numel = 1
+        for size in spec.shape:
+            numel *= size
+        count += numel
+    assert count == PUBLISHED_PARAMETERS[name]

@@ -107,3 +107,56 @@ def test_a_model_too_large_to_hold_whole_is_refused_with_the_fix():
                                           r"linnet\.torch\.fully_shard\(model\)"):
         model.parameters().__next__()
     assert model.weight_source is not None  # nothing was drawn; the model can still be sharded
+
+
+def anonymous_memory() -> int:
+    """Bytes of this process's anonymous resident memory (what it allocated, not files it maps)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+
+def loading_peak(rank: int, world: int, card) -> tuple[int, int, int]:
+    """(the most anonymous memory loading added, this rank's parts in bytes, the largest group in f32 bytes)."""
+    import gc
+    import threading
+
+    from linnet.torch import fully_shard
+    from linnet.weights import SliceReader
+
+    model = load(card, None)
+    gc.collect()
+    base, peak, done = anonymous_memory(), [0], threading.Event()
+
+    def sample():
+        peak[0] = max(peak[0], anonymous_memory() - base)
+
+    def poll():
+        while not done.wait(0.001):
+            sample()
+
+    read = SliceReader.read
+
+    def sampled_read(self, spec, start, end):  # the peak is just after a read: the rows, the group's part, the parts so far
+        rows = read(self, spec, start, end)
+        sample()
+        return rows
+
+    SliceReader.read = sampled_read
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        fully_shard(model)
+        sample()
+    finally:
+        done.set()
+        poller.join()
+    largest = max(layout.extent for layout in model.sharding.layouts.values()) * 4
+    return peak[0], sum(p.numel() * p.element_size() for p in model.parameters()), largest
+
+
+def test_loading_a_few_hundred_mb_holds_the_parts_and_one_group(tmp_path):
+    card = save_hf_llama(tmp_path, vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_shard_size="100MB")
+    assert sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors")) > 200e6  # f32
+    for peak, parts, group in run(loading_peak, 2, card, timeout=300):
+        assert parts < peak <= (parts + group) * 1.1
