@@ -3,31 +3,66 @@ waiting in a collective for a rank that has stopped.
 
     together(lambda: torch.save(state, path), f"write {path}")   # each rank its file
     first_rank_does(lambda: write(folder), "write the weights")     # called by every rank
+    agree_on_check(lambda: check(inputs), "loss_packed()", group)   # before a sharded forward
 
 runs the action on this rank (or, with first_rank_does, on the first only), then every rank learns (one all-gather) whether
 any rank failed: the failing ranks raise their own exception, the others a
 RuntimeError that names the failing ranks and their messages. A training loop
 that already all-reduces each step counts its problems in that all-reduce and
-calls `raise_together` (no collective unless something failed)."""
+calls `raise_together` (no collective unless something failed). `agree_on_check`
+is the cheap one for every call: one all-reduce of one integer, and the
+messages only when a check failed; then every rank raises the same error.
+
+Agreements travel on the CPU, over Gloo (`cpu_group`): the group itself where
+it already takes CPU tensors, otherwise a Gloo group of its ranks made once. So
+they cost no GPU synchronisation, and a rank that waits in one while another
+writes a file is not bound by a short NCCL timeout; a peer that dies ends them
+at once (its sockets close)."""
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+_CPU_GROUPS: dict[str, dist.ProcessGroup] = {}  # group name -> the Gloo group of its ranks
+_KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError)}  # raised again by name
 
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _messages(problem: str | None) -> list[str | None]:
+def _group(group: dist.ProcessGroup | str | None) -> dist.ProcessGroup:
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    return group or dist.group.WORLD
+
+
+def cpu_group(group: dist.ProcessGroup | str | None = None) -> dist.ProcessGroup:
+    """A group of `group`'s ranks (default: every rank) that takes CPU tensors: `group` itself
+    where it does (Gloo, or "cpu:gloo,cuda:nccl"), else a Gloo group made on the first call,
+    which every rank of `group` must make at the same point (any collective call is one)."""
+    group = _group(group)
+    if torch.device("cpu") in group._device_types:
+        return group
+    if group.group_name not in _CPU_GROUPS:
+        ranks = dist.get_process_group_ranks(group)
+        _CPU_GROUPS[group.group_name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _CPU_GROUPS[group.group_name]
+
+
+def _messages(problem, group: dist.ProcessGroup | str | None = None) -> list:
+    """Every rank's `problem` (anything picklable: None for none), in rank order."""
     if _world() == 1:
         return [problem]
-    messages: list[str | None] = [None] * _world()
-    dist.all_gather_object(messages, problem)
+    group = cpu_group(group)
+    messages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, problem, group=group)
     return messages
 
 
@@ -60,3 +95,32 @@ def raise_together(problem: str | None, ranks_with_problems: float, error: type[
     in an all-reduce that they all ran); nothing happens, and nothing is sent, otherwise."""
     if ranks_with_problems:
         raise error(_describe(_messages(problem)))
+
+
+def agree_on_check(check: Callable[[], None], what: str, group: dist.ProcessGroup | str | None = None) -> None:
+    """check() on every rank of `group` (a group or its name; default: every rank), which must all
+    call this at the same point. If it raised on any rank, every rank raises the same error: of
+    the failing ranks' type where they agree on ValueError, TypeError or RuntimeError (else a
+    RuntimeError), naming each failing rank and its message; on a failing rank it is chained to
+    its own exception. Costs one all-reduce of one integer on the CPU (Gloo: no GPU
+    synchronisation); the messages are gathered only when a check failed. Under torch.compile's
+    tracing, and in one process, only check() runs."""
+    if torch.compiler.is_compiling() or not (dist.is_available() and dist.is_initialized()):
+        return check()
+    group = cpu_group(group)
+    if dist.get_world_size(group) == 1:
+        return check()
+    try:
+        check()
+        error = None
+    except Exception as raised:  # noqa: BLE001  (every failure must reach the other ranks)
+        error = raised
+    failed = torch.tensor([int(error is not None)], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return
+    problems = _messages(None if error is None else (type(error).__name__, str(error)), group)
+    kinds = {problem[0] for problem in problems if problem}
+    kind = _KINDS.get(kinds.pop(), RuntimeError) if len(kinds) == 1 else RuntimeError
+    agreed = kind(f"{what}: {_describe([problem and problem[1] for problem in problems])}")
+    raise agreed from error

@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         if backend == "torch":
             command.add_argument("--prefetch", type=int, default=1, metavar="LAYERS",
                                  help="with --fully-shard: how many layers' gathers run ahead (default 1)")
+            command.add_argument("--one-rank", action="store_true",
+                                 help="with --fully-shard: the form for one rank, where each gather is a cast")
     args = parser.parse_args(argv)
     if args.command == "cards":
         for name in cards.shipped():
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.fully_shard:
             from linnet.emit.schedule import Schedule
 
-            schedule = Schedule(args.prefetch)
+            schedule = Schedule(args.prefetch, communicates=not args.one_rank)
     else:
         from linnet.emit.jax_backend import JAX as backend
     sys.stdout.write(emit(checked, backend, card_name=card.name, generics=generics, numerics=args.numerics,

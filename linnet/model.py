@@ -145,9 +145,17 @@ class LoadedModel(ABC):
     def run(self, entry: str, *inputs):
         if entry not in self._compiled:
             raise AttributeError(f"{self.card.name} was loaded with entries {self.entries}, not {entry!r}")
+        self._agree(lambda: self._check_inputs(entry, inputs), f"{entry}() inputs")
+        return self._compiled[entry](self.params, *inputs)
+
+    def _check_inputs(self, entry: str, inputs) -> None:
         self._check_placement(entry, inputs)
         check_inputs(self.checked, self.generics, entry, [tuple(x.shape) for x in inputs], [self._kind(x) for x in inputs])
-        return self._compiled[entry](self.params, *inputs)
+
+    def _agree(self, check, what: str) -> None:
+        """check(); where a call is collective (a sharded PyTorch model), every rank raises when any rank's
+        check raised, rather than the others wait in a gather for the rank that stopped."""
+        check()
 
     def _check_placement(self, entry: str, inputs) -> None:  # noqa: B027 (optional: backends that place tensors check it)
         """Raises if an input is not where the model's weights are."""

@@ -70,8 +70,8 @@ def parse(source: str, gathered_size: int, part_size: int) -> Code:
     return Code(lines, launches, reduce_scatters)
 
 
-def generated_code(rank: int, world: int, card, prefetch: int = 1):
-    """Inductor's forward and backward of one sharded step at a fake world of 4."""
+def generated_code(rank: int, world: int, card, prefetch: int = 1, fake_world: int = WORLD):
+    """Inductor's forward and backward of one sharded step at a fake world of 4 (or of `fake_world`)."""
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -79,8 +79,8 @@ def generated_code(rank: int, world: int, card, prefetch: int = 1):
     from linnet import nest
     from linnet.torch import fully_shard
 
-    dist.destroy_process_group()  # the Gloo group of one rank that `run` made: a fake world of 4 instead
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    dist.destroy_process_group()  # the Gloo group of one rank that `run` made: a fake world instead
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
     model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"}, cast_dtype=True,
                       trainable=True, weights="random", compile="inductor", entry="loss_packed")
     fully_shard(model, prefetch=prefetch)
@@ -148,3 +148,13 @@ def test_a_tied_embedding_is_gathered_once_and_reduce_scattered_once(tmp_path):
     groups = layers + 2  # the layers, the embedding (with the head's matrix) and the final norm
     assert forward.count("torch.ops.linnet.all_gather.default(") == groups
     assert backward.count("torch.ops.linnet.reduce_scatter.default(") == groups
+
+
+def test_on_one_rank_a_gather_is_a_cast_made_once(card):
+    """The backward gets the casts the forward made, not the f32 parts to cast again; the gradient's
+    "reduce-scatter" is its one cast into the part's f32 gradient."""
+    forward, backward, total, _ = run(generated_code, 1, card, 1, 1, timeout=600)[0]
+    parts = {m.group(1) for m in re.finditer(rf"assert_size_stride\((primals_\d+), \({total}, \), \(1, \)", forward)}
+    inputs = set(re.search(r"^\s*(\w+(?:, \w+)*),? = args$", backward, re.MULTILINE).group(1).split(", "))
+    assert len(parts) == LAYERS and not parts & inputs
+    assert "linnet.all_gather" not in backward and backward.count("torch.ops.linnet.reduce_scatter.default(") == LAYERS + 2

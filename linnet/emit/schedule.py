@@ -35,10 +35,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Schedule:
     prefetch: int = 1  # layers whose gathers run ahead of the one computing; 0 launches each where it is waited for
+    communicates: bool = True  # False on one rank: each gather is the cast of the whole part, where it is used
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of layers >= 0, got {self.prefetch!r}")
+
+    def describe(self) -> str:
+        """The schedule in the generated module's first line."""
+        if not self.communicates:
+            return "sharded over one rank: each group's gather is the cast of its part, the whole buffer, to T"
+        return f"sharded: gathers each group where it is first used, layers {self.prefetch} ahead"
 
     def _explained(self) -> list[str]:
         d = self.prefetch

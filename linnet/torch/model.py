@@ -99,6 +99,13 @@ class TorchModel(LoadedModel):
         together(write_or_follow, f"write the weights to {path}")
         return Path(path)
 
+    def _agree(self, check, what: str) -> None:
+        if self.sharding is None or self.sharding.world == 1:
+            return check()
+        from linnet.agree import agree_on_check
+
+        agree_on_check(check, what, self.sharding.group_name)
+
     def _check_placement(self, entry: str, inputs) -> None:
         for index, tensor in enumerate(inputs):
             if not isinstance(tensor, torch.Tensor):

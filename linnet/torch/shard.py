@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from linnet import agree
 from linnet.emit.schedule import Schedule
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
@@ -105,7 +106,6 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, re
             raise ValueError(f'recompute must be "gather" or "full", got {recompute!r}')
     if reduce_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"reduce_dtype must be torch.float32 or torch.bfloat16, got {reduce_dtype}")
-    schedule = Schedule(prefetch)
     if not isinstance(model, TorchModel):
         raise TypeError(f"fully_shard takes a model from nest.load(..., backend='torch'), got {type(model).__name__}")
     if getattr(model, "sharding", None) is not None:
@@ -115,7 +115,9 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, re
                            "(under torchrun, or with world_size=1 for one process)")
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    schedule = Schedule(prefetch, communicates=world > 1)
     _check_device(model, group)
+    agree.cpu_group(group)  # where the ranks agree on each call's inputs (made here, where every rank is)
     checked = model.checked
     layouts = {}
     for decl in checked.program.groups.values():
@@ -214,7 +216,7 @@ def _bindings(sharding: Sharding) -> dict:
         "launch_of": _launch_of,
         "hold": _hold,
         "after": _after,
-        "checkpointed": partial(_checkpointed, sharding.recompute),
+        "checkpointed": partial(_checkpointed, sharding.recompute, sharding.world),
     }
 
 
@@ -319,12 +321,22 @@ def _gather_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_SAVE
 
 
+def _one_rank_policy(ctx, func, *args, **kwargs):
+    """On one rank a gather is a cast (and its reduce-scatter the cast of the gradient into the part's):
+    keep it rather than cast again in the backward; recompute views; keep everything else."""
+    if getattr(func, "is_view", False):
+        return CheckpointPolicy.MUST_RECOMPUTE
+    if func in ops.collective_overloads():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_SAVE
+
+
 def _recompute_all(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _checkpointed(recompute: str, function, *args):
+def _checkpointed(recompute: str, world: int, function, *args):
     if recompute == "full":
         return checkpoint(function, *args, use_reentrant=False)
-    return checkpoint(function, *args, use_reentrant=False,
-                      context_fn=partial(create_selective_checkpoint_contexts, _gather_policy))
+    policy = _gather_policy if world > 1 else _one_rank_policy
+    return checkpoint(function, *args, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))

@@ -1,0 +1,80 @@
+"""A sharded run in which one rank dies or errs, for tests/test_rank_loss.py, started by torchrun:
+
+    torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --kill-rank 1 --at 3
+    torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --bad-shape-rank 1 --at 2
+
+Trains the tiny card sharded over Gloo, in linnet's `train` (--kill-rank: that
+rank SIGKILLs itself after step --at) or in a user's own loop (--bad-shape-rank:
+that rank passes a row one position longer than MaxSeq at step --at). Before
+dying, the rank writes the time (time.time()) to OUT/killed_at; every rank that
+raises writes OUT/error-RANK with the exception's type and message, then raises."""
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from linnet import nest
+from linnet.packing import Example, pack
+from linnet.torch import fully_shard
+from linnet.train import train
+
+ROW = 64
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out", type=Path)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--at", type=int, default=3)
+parser.add_argument("--kill-rank", type=int)
+parser.add_argument("--bad-shape-rank", type=int)
+args = parser.parse_args()
+args.out.mkdir(parents=True, exist_ok=True)
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+rng = np.random.default_rng(0)
+examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 20)).tolist(), rng.integers(6, 512, rng.integers(2, 12)).tolist())
+            for _ in range(200)]
+rows = list(pack(examples, ROW))[rank::world]
+model = fully_shard(nest.load("tiny-llama", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
+                              cast_dtype=True, trainable=True, weights="random", entry="loss_packed"))
+optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-3)
+
+
+def die(step) -> None:
+    if rank == args.kill_rank and step.step == args.at:
+        (args.out / "killed_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tensors(row, extra: int = 0) -> list[torch.Tensor]:
+    fields = (row.tokens, row.targets, row.positions, row.segments, row.weights)
+    return [torch.from_numpy(np.concatenate([f, f[:extra]]))[None] for f in fields]
+
+
+def users_loop() -> None:
+    """What a user writes instead of linnet's train: no agreement of its own."""
+    for step in range(1, args.steps + 1):
+        bad = rank == args.bad_shape_rank and step == args.at
+        loss = model.loss_packed(*tensors(rows[step], extra=1 if bad else 0))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if rank == 0:
+            print(f"step {step}: loss {float(loss):.3f}", flush=True)
+
+
+try:
+    if args.kill_rank is not None:
+        train(model, iter(rows), optimizer=optimizer, steps=args.steps, on_step=die)
+    else:
+        users_loop()
+except Exception as error:
+    (args.out / f"error-{rank}").write_text(f"{type(error).__name__}: {error}")
+    raise
+dist.destroy_process_group()

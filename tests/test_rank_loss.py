@@ -1,0 +1,86 @@
+"""A rank that dies or errs stops every rank within seconds, with a message that
+names it, rather than leaving the others waiting in a collective until the
+process group's timeout (issue 7, point 6)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from distributed import run
+
+from linnet import nest
+from linnet.packing import Example, pack
+
+DRIVER = Path(__file__).parent / "rank_loss_driver.py"
+ROW = 64
+
+
+def torchrun(out: Path, *extra: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    """The driver under torchrun at world 2, as users start it; returns the run and when it ended (time.time())."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DRIVER), str(out),
+               *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout, env=env)
+    return result, time.time()
+
+
+def test_a_killed_rank_ends_the_run_within_a_minute_naming_it(tmp_path):
+    """Gloo's survivor fails in its next collective at once (the dead rank's sockets close) and
+    torchrun takes the others down, naming the lost rank and its signal. (Measured: under a second.)"""
+    result, ended = torchrun(tmp_path, "--kill-rank", "1", "--at", "3", timeout=90)
+    killed_at = float((tmp_path / "killed_at").read_text())
+    assert result.returncode != 0
+    assert ended - killed_at < 60, f"the run outlived rank 1 by {ended - killed_at:.0f} s"
+    summary = re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9 .*\(SIGKILL\)", result.stderr)
+    assert summary, result.stderr[-3000:]
+
+
+STAY = 8.0  # seconds the failing rank stays alive after its errors, in no collective
+
+
+def bad_inputs_in_a_users_loop(rank: int, world: int) -> list:
+    """A user's own loop over a sharded model in which rank 1 passes one bad batch of each kind
+    (a row longer than MaxSeq, float token ids) and catches its error, as a user's except clause
+    or a notebook does: (kind, what this rank raised, seconds from the bad step's start) for each."""
+    from linnet.torch import fully_shard
+
+    model = fully_shard(nest.load("tiny-llama", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
+                                  cast_dtype=True, trainable=True, weights="random", entry="loss_packed"))
+    rng = np.random.default_rng(0)
+    examples = [Example.prompted(rng.integers(6, 512, 12).tolist(), rng.integers(6, 512, 8).tolist()) for _ in range(40)]
+    row = list(pack(examples, ROW))[rank]
+    good = [torch.from_numpy(f)[None] for f in (row.tokens, row.targets, row.positions, row.segments, row.weights)]
+    bad = {"shape": [torch.cat([x, x[:, :1]], dim=1) for x in good], "dtype": [good[0].float(), *good[1:]]}
+    model.loss_packed(*good).backward()
+    outcomes = []
+    for kind, inputs in bad.items():
+        start = time.monotonic()
+        try:
+            model.loss_packed(*(inputs if rank == 1 else good)).backward()
+            outcomes.append((kind, None, time.monotonic() - start))
+        except Exception as error:  # noqa: BLE001  (the test looks at what each rank raised)
+            outcomes.append((kind, f"{type(error).__name__}: {error}", time.monotonic() - start))
+    if rank == 1:
+        time.sleep(STAY)  # alive, and in no collective
+    return outcomes
+
+
+def test_one_ranks_bad_input_in_a_users_loop_stops_every_rank_with_its_message():
+    """Needs each call of a sharded model to agree on its input checks across ranks before its
+    first gather (linnet/agree.py agree_on_check). Without it, rank 0 waits in the gather until
+    rank 1 leaves the process group (here after STAY seconds; with NCCL, or a rank that carries
+    on, until the group's timeout), and then fails without rank 1's message."""
+    expected = {"shape": r"ValueError: .*rank 1: loss_packed\(tokens: .*got shape \(1, 65\), but MaxSeq is at most 64",
+                "dtype": r"TypeError: .*rank 1: loss_packed\(tokens: .*expected an int tensor, got float"}
+    for rank, outcomes in enumerate(run(bad_inputs_in_a_users_loop, 2, timeout=90)):
+        for kind, message, seconds in outcomes:
+            assert message is not None and re.search(expected[kind], message), (rank, kind, message)
+            if rank == 0:
+                assert seconds < STAY / 2, f"rank 0 took {seconds:.1f} s to learn of rank 1's {kind} error"
