@@ -3,6 +3,7 @@
 #   bash benchmarks/large.sh build     build, the GPU tests
 #   bash benchmarks/large.sh linnet70  Llama 3.1 70B, random weights, full recompute: one GPU's share of 16 ranks
 #   bash benchmarks/large.sh fsdp70    FSDP2 on the same: meta device, activation checkpointing (the command)
+#   bash benchmarks/large.sh linnet70bf16  the same with a bf16 reduction (half the reduce-scatter's copy)
 #   bash benchmarks/large.sh small     8B at 4 ranks, to show smaller models kept their speed and memory
 # Collectives move nothing and take no time (benchmarks/sim_world.py with SIM_BUS_GBPS=inf, as
 # ../shared/probe/fake_world.py); logs under $OUT, RESULT lines printed.
@@ -21,7 +22,8 @@ case "${1:-}" in
       || { tail -50 "$OUT/build.log"; exit 1; }
     python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$OUT/tests.txt" | tail -3 ;;
   linnet70) sim 16 linnet-70b-w16 benchmarks/step.py --card llama-3.1-70b --recompute full --steps 6 ;;
+  linnet70bf16) sim 16 linnet-70b-w16-bf16 benchmarks/step.py --card llama-3.1-70b --recompute full --reduce-dtype bf16 --steps 6 ;;
   fsdp70) sim 16 fsdp2-70b-w16 benchmarks/peers/fsdp2_baseline.py --shape 70b --meta --ac --steps 6 ;;
   small) sim 4 linnet-8b-w4 benchmarks/step.py --card llama-3.1-8b --steps 8 ;;
-  *) echo "usage: bash benchmarks/large.sh build|linnet70|fsdp70|small"; exit 2 ;;
+  *) echo "usage: bash benchmarks/large.sh build|linnet70|linnet70bf16|fsdp70|small"; exit 2 ;;
 esac
