@@ -164,16 +164,11 @@ def read_tensors(specs: list[WeightSpec], files: dict[str, Path], device: str = 
 
 class SliceReader:
     """Ranges of a checkpoint's tensors, each read as the fewest whole rows that cover it
-    (`safe_open(...).get_slice`); every file is opened once, and `bytes_read` counts what was read."""
+    (`safe_open(...).get_slice`); every file is opened once, and closed with the reader, and
+    `bytes_read` counts what was read."""
 
     def __init__(self, files: dict[str, Path]):
         self.files, self.bytes_read, self._open = files, 0, {}
-
-    def __enter__(self) -> "SliceReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._open.clear()
 
     def read(self, spec: WeightSpec, start: int, end: int):
         """Elements [start, end) of `spec`'s tensor, flattened, in the dtype it is stored in."""
