@@ -70,13 +70,14 @@ def _describe(messages: list[str | None]) -> str:
     return "; ".join(f"rank {rank}: {message}" for rank, message in enumerate(messages) if message)
 
 
-def together(action: Callable[[], T], what: str) -> T | None:
-    """action() on this rank (None where a rank has nothing to do: pass a no-op), agreed by all."""
+def together(action: Callable[[], T], what: str, group: dist.ProcessGroup | str | None = None) -> T | None:
+    """action() on this rank (None where a rank has nothing to do: pass a no-op), agreed by every rank
+    of `group` (a group or its name; default: every rank)."""
     try:
         result, error = action(), None
     except Exception as raised:  # noqa: BLE001  (every failure must reach the other ranks)
         result, error = None, raised
-    messages = _messages(None if error is None else f"{type(error).__name__}: {error}")
+    messages = _messages(None if error is None else f"{type(error).__name__}: {error}", group)
     if error is not None:
         raise error
     if any(messages):

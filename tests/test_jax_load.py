@@ -1,8 +1,8 @@
 """Weights built straight into their parts for linnet.jax.train (conftest.py asks
 XLA for four CPU devices): random ones drawn as the unsharded model draws them,
 bit for bit at any number of devices; a sharded checkpoint read by each device's
-range alone; and the parts training leaves, saved a group at a time without the
-model being made whole."""
+range alone; the parts training leaves, saved a group at a time without the
+model being made whole; and evaluate over parts, which builds them once for train."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def checkpoint(tmp_path_factory):
     return card
 
 
-def load(card, weights="random"):
+def load(card, weights="random", batch: int = 1):
     return nest.load(card, backend="jax_source", numerics="exact", cast_dtype=True, weights=weights, seed=0,
-                     generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"})
+                     generics={"Batch": batch, "MaxSeq": ROW, "T": "f32"})
 
 
 def mesh(devices: int) -> Mesh:
@@ -139,3 +139,50 @@ def test_trained_parts_move_to_another_mesh_a_group_at_a_time(tmp_path):
     assert shard.parts_from_source(model, shard.group_layouts(model.checked, 4), mesh(4)) is parts  # kept as they are
     moved = shard.parts_from_source(model, shard.group_layouts(model.checked, 3), mesh(3))
     check_parts(model, moved, 3)  # against the trained weights, gathered whole
+
+
+def evaluate_whole(model, batches) -> float:
+    """evaluate on one device, the weights gathered or read whole first."""
+    assert model.params and model.weight_source is None
+    return jax_train.evaluate(model, batches)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_evaluate_builds_parts_over_every_device_and_keeps_them(tmp_path, batch):
+    card = write_card(tmp_path, {**BASE, "num_key_value_heads": 2}, LLAMA3_SCALING, repo="no-weights: random")
+    held_out = rows(7)  # the last global batch of 4 x batch rows is filled with rows of zero weight
+    model = load(card, batch=batch)
+    loss = jax_train.evaluate(model, held_out)
+    assert not model._params and isinstance(model.weight_source, shard.ShardedWeights)  # never read whole
+    assert model.weight_source.mesh == Mesh(np.array(jax.devices()), ("data",))
+    assert loss == pytest.approx(evaluate_whole(load(card, batch=batch), held_out), rel=1e-5)
+    assert jax_train.evaluate(model, held_out) == loss  # again over the parts it kept
+
+
+def test_evaluate_then_train_builds_the_parts_once(checkpoint, monkeypatch):
+    readers = []
+
+    class CountingReader(SliceReader):
+        def __init__(self, files):
+            super().__init__(files)
+            readers.append(self)
+
+    monkeypatch.setattr(shard, "SliceReader", CountingReader)
+    model, batches = load(checkpoint, weights=None), rows(8)
+    first_step = jax_train.evaluate(model, batches[:4])
+    _, history = jax_train.train(model, batches, optimizer=optax.adamw(1e-2), steps=2, mesh=mesh(4),
+                                 on_step=lambda step: None)
+    assert len(readers) == 1  # train started from the parts evaluate built
+    assert history.steps[0].loss == pytest.approx(first_step, rel=1e-5)
+    trained = jax_train.evaluate(model, batches)
+    assert isinstance(model.weight_source, shard.ShardedWeights) and not model._params
+    assert trained == pytest.approx(evaluate_whole(model, batches), rel=1e-5)  # model.params gathers them
+
+
+def test_evaluate_after_training_runs_over_the_training_mesh(tmp_path):
+    card = write_card(tmp_path, {**BASE, "num_key_value_heads": 2}, LLAMA3_SCALING, repo="no-weights: random")
+    model, batches = load(card, batch=2), rows(5)
+    jax_train.train(model, batches, optimizer=optax.adamw(1e-2), steps=1, mesh=mesh(2), on_step=lambda step: None)
+    trained = jax_train.evaluate(model, batches)
+    assert model.weight_source.mesh == mesh(2) and not model._params
+    assert trained == pytest.approx(evaluate_whole(model, batches), rel=1e-5)

@@ -3,10 +3,11 @@ functions, each taking `(params, *inputs)` and jitted, the weights as a
 pytree (`model.params`), and `model.save_weights(folder)`, which writes a
 Hugging Face checkpoint. linnet/jax/train.py trains it, fully sharded.
 
-A model trained before its weights were read whole keeps them as the parts
-training left over the mesh (`model.weight_source` is a `ShardedWeights`):
-`save_weights` writes them a group at a time; `model.params`, and so the
-entries and `evaluate`, gather them whole, group by group, if they fit."""
+A model trained or evaluated before its weights were read whole keeps them
+as parts over the mesh (`model.weight_source` is a `ShardedWeights`):
+`evaluate` runs over them, `save_weights` writes them a group at a time, and
+`model.params` (and so the entries) gathers them whole, group by group, if
+they fit."""
 
 from __future__ import annotations
 

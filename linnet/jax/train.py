@@ -20,8 +20,13 @@ Weights that were read whole are whole again when it returns (as
 from `nest.load`) are built straight into their parts, from a checkpoint's
 slices or drawn a group at a time, and stay parts after it (held by
 `model.weight_source` and returned): `model.save_weights` writes them a group
-at a time; `model.params`, `model.loss_packed` and `evaluate` gather them
-whole."""
+at a time; `model.params` and `model.loss_packed` gather them whole.
+
+`evaluate` runs where the weights are: whole ones on one device; parts over
+their mesh, each device on its own rows as in a step. Weights not read yet are
+first built into parts over every device, and kept, so that a `train` on that
+mesh (the one sft_jax.py makes) starts from them rather than building them
+again."""
 
 from __future__ import annotations
 
@@ -130,26 +135,63 @@ def train(
 
 
 def evaluate(model: JaxModel, batches: Iterable[Row]) -> float:
-    """The token-weighted mean of `model.loss_packed` over `batches`, on one device, with model.params."""
+    """The token-weighted mean of `model.loss_packed` over `batches`: on one device if the weights are whole,
+    else over the mesh of their parts, each device on Batch rows at a time (weights not read yet are built
+    into parts over every device first, and stay parts, as `train` would build them)."""
     model.check_whole("evaluate")
     if "loss_packed" not in model.entries:
         raise ValueError(f"evaluate needs the loss_packed entry; the model was loaded with entries {model.entries}")
-    batch = model.generics["Batch"]
     rows = list(batches)
+    for index, row in enumerate(rows):
+        row.check_ids(model.checked.dims["Vocab"], f"evaluate, row {index}")
+    if not any(row.weights.sum() for row in rows):
+        raise ValueError("evaluate got no rows with loss weight")
+    _check_positions(rows[0], model.generics["MaxSeq"])
+    source = model.weight_source
+    # Weights train could not take as parts (not cast to f32, or several processes) are read whole, as before.
+    if source is None or not (model.cast_dtype and jax.process_count() == 1):
+        return _evaluate_whole(model, rows)
+    if not isinstance(source, shard.ShardedWeights):
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        layouts = shard.group_layouts(model.checked, mesh.size)
+        parts = shard.parts_from_source(model, layouts, mesh)
+        model.params = {}  # which clears weight_source: set it after
+        model.weight_source = source = shard.ShardedWeights(parts, layouts, mesh)
+    return _evaluate_sharded(model, rows, source)
+
+
+def _evaluate_whole(model: JaxModel, rows: list[Row]) -> float:
+    batch = model.generics["Batch"]
     loss_sum = weight_sum = 0.0
     for start in range(0, len(rows), batch):
-        chunk = rows[start:start + batch]
-        for index, row in enumerate(chunk):
-            row.check_ids(model.checked.dims["Vocab"], f"evaluate, row {start + index}")
-        blank = chunk[0]
-        chunk += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (batch - len(chunk))
+        chunk = _padded(rows[start:start + batch], batch)
         weight = float(sum(row.weights.sum() for row in chunk))
         if weight:
             loss_sum += float(model.loss_packed(*map(jnp.asarray, _stack(chunk, model.generics["MaxSeq"])))) * weight
             weight_sum += weight
-    if weight_sum == 0:
-        raise ValueError("evaluate got no rows with loss weight")
     return loss_sum / weight_sum
+
+
+def _evaluate_sharded(model: JaxModel, rows: list[Row], weights: shard.ShardedWeights) -> float:
+    mesh = weights.mesh
+    rows_a_step = mesh.size * model.generics["Batch"]
+    placement = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    function = _evaluate_function(model, weights.layouts, mesh)
+    loss_sum = weight_sum = 0.0
+    for start in range(0, len(rows), rows_a_step):
+        chunk = _padded(rows[start:start + rows_a_step], rows_a_step)
+        weight = float(sum(row.weights.sum() for row in chunk))
+        if weight:
+            inputs = [jax.device_put(array, placement) for array in _stack(chunk, model.generics["MaxSeq"])]
+            loss_sum += float(np.sum(np.asarray(function(weights.parts, *inputs), np.float64)))
+            weight_sum += weight
+    return loss_sum / weight_sum
+
+
+def _padded(chunk: list[Row], size: int) -> list[Row]:
+    """`chunk` filled up to `size` rows with rows of zero loss weight."""
+    blank = chunk[0]
+    return chunk + [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (size - len(chunk))
 
 
 def _check(model, mesh: Mesh) -> None:
@@ -168,17 +210,41 @@ def _check(model, mesh: Mesh) -> None:
 
 
 def _stack(rows: list[Row], positions: int) -> list[np.ndarray]:
-    if len(rows[0].tokens) != positions:
-        raise ValueError(f"rows of {len(rows[0].tokens)} positions, but the model was loaded for MaxSeq {positions}: "
-                         f"pack(examples, {positions})")
+    _check_positions(rows[0], positions)
     return [np.stack([getattr(row, name) for row in rows]) for name in _FIELDS]
+
+
+def _check_positions(row: Row, positions: int) -> None:
+    if len(row.tokens) != positions:
+        raise ValueError(f"rows of {len(row.tokens)} positions, but the model was loaded for MaxSeq {positions}: "
+                         f"pack(examples, {positions})")
+
+
+def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool):
+    """The card's `loss_packed` in its sharded form, run inside shard_map over `axis`: (parts, *inputs) -> loss."""
+    dtype = JAX_DTYPES[model.generics[model.checked.program.compute_dtype]]
+    namespace = {"gather": partial(shard.gather, layouts, axis, dtype), "checkpointed": partial(shard.checkpointed, remat)}
+    return model.execute(model.emit(sharded=True), namespace)["loss_packed"]
+
+
+def _evaluate_function(model: JaxModel, layouts, mesh: Mesh):
+    """(parts, *inputs split over the mesh) -> each device's loss times its loss weight, shaped (devices,)."""
+    axis = mesh.axis_names[0]
+    loss_packed = _sharded_loss_packed(model, layouts, axis, remat=False)
+
+    def device_loss(parts, tokens, targets, positions, segments, weights):
+        local = jnp.sum(weights)
+        loss = loss_packed(parts, tokens, targets, positions, segments, weights).astype(jnp.float32)
+        # A device given only padding has no mean to weigh (its loss may be 0/0).
+        return jnp.where(local > 0, loss * local, 0.0)[None]
+
+    split = PartitionSpec(axis)
+    return jax.jit(jax.shard_map(device_loss, mesh=mesh, in_specs=(split,) * 6, out_specs=split))
 
 
 def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, state_placements):
     axis = mesh.axis_names[0]
-    dtype = JAX_DTYPES[model.generics[model.checked.program.compute_dtype]]
-    namespace = {"gather": partial(shard.gather, layouts, axis, dtype), "checkpointed": partial(shard.checkpointed, remat)}
-    loss_packed = model.execute(model.emit(sharded=True), namespace)["loss_packed"]
+    loss_packed = _sharded_loss_packed(model, layouts, axis, remat)
 
     def device_step(parts, tokens, targets, positions, segments, weights):
         local = jnp.sum(weights)

@@ -96,7 +96,7 @@ class TorchModel(LoadedModel):
                 for _ in gathered:  # the other ranks are in the gathers of the groups left: join them to the end
                     pass
 
-        together(write_or_follow, f"write the weights to {path}")
+        together(write_or_follow, f"write the weights to {path}", self.sharding.group_name)
         return Path(path)
 
     def _agree(self, check, what: str) -> None:
