@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from linnet.cardlang.check import Checked
+from linnet.cardlang.program import GroupDecl
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,16 @@ def weight_specs(checked: Checked) -> list[WeightSpec]:
                 name = weight.checkpoint_name.format(i=index) if index is not None else weight.checkpoint_name
                 specs.append(WeightSpec(group.key, index, weight.name, name, checked.weight_shape(weight), weight.init))
     return specs
+
+
+def group_specs(checked: Checked, specs: list[WeightSpec]) -> Iterator[tuple[GroupDecl, int | None, list[WeightSpec]]]:
+    """Each group of weights in checkpoint order: (its declaration, its layer or None, its specs in flat order)."""
+    by_group: dict = {}
+    for spec in specs:
+        by_group.setdefault((spec.group, spec.index), []).append(spec)
+    for decl in checked.program.groups.values():
+        for index in [None] if decl.repeat is None else range(checked.repeat(decl.name)):
+            yield decl, index, by_group.get((decl.key, index), [])
 
 
 def tied_names(checked: Checked) -> dict[str, str]:

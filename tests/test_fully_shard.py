@@ -110,11 +110,12 @@ def schedules(rank: int, world: int, card, configurations: list) -> list:
     return [sharded_training(rank, world, card, *configuration) for configuration in configurations]
 
 
-def test_prefetch_depths_train_alike_when_compiled(card):
+@pytest.mark.parametrize("world", [2, 3])
+def test_prefetch_depths_train_alike_when_compiled(card, world):
     """The schedule moves communication, never arithmetic: every prefetch depth gives the same bits."""
     depths = [("inductor", "gather", prefetch) for prefetch in (0, 1, 2)] + [("inductor", "full", 2)]
-    expected_losses, expected_weights = reference(card, 2)
-    runs = run(schedules, 2, card, depths, timeout=900)[0]
+    expected_losses, expected_weights = reference(card, world)
+    runs = run(schedules, world, card, depths, timeout=1200)[0]
     (losses, weights, _), others = runs[0], runs[1:]
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     for name, tensor in weights.items():

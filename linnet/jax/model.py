@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet.emit.jax_backend import JAX
-from linnet.jax.shard import ShardedWeights, group_specs, part_at, unshard_weights
+from linnet.jax.shard import ShardedWeights, part_at, unshard_weights
 from linnet.model import LoadedModel
+from linnet.weights import group_specs
 
 JAX_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 

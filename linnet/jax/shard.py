@@ -21,7 +21,7 @@ parts and calls them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,8 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from linnet.cardlang.check import Checked
-from linnet.cardlang.program import GroupDecl
-from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, WeightSpec
+from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, group_specs
 
 
 @dataclass(frozen=True)
@@ -112,16 +111,6 @@ class ShardedWeights:
     parts: dict  # as params, each group's weights one flat f32 array split over the mesh
     layouts: dict[str, GroupLayout]
     mesh: Mesh
-
-
-def group_specs(checked: Checked, specs: list[WeightSpec]) -> Iterator[tuple[GroupDecl, int | None, list[WeightSpec]]]:
-    """Each group of weights in checkpoint order: (its declaration, its layer or None, its specs in flat order)."""
-    by_group: dict = {}
-    for spec in specs:
-        by_group.setdefault((spec.group, spec.index), []).append(spec)
-    for decl in checked.program.groups.values():
-        for index in [None] if decl.repeat is None else range(checked.repeat(decl.name)):
-            yield decl, index, by_group.get((decl.key, index), [])
 
 
 def part_at(parts: dict, key: str, index: int | None) -> jax.Array:

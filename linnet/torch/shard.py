@@ -40,7 +40,7 @@ from linnet import agree
 from linnet.emit.schedule import Schedule
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
-from linnet.weights import CheckpointWeights, RandomWeights, SliceReader
+from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, group_specs
 
 ALIGN = 16  # elements: each tensor of a group starts on a 64-byte boundary in f32
 
@@ -183,27 +183,21 @@ def _part_of(weights: dict, layout: GroupLayout, rank: int, world: int, trainabl
 def _parts_from_source(model: TorchModel, layouts: dict, rank: int, world: int) -> dict:
     """This rank's part of each group, read from a checkpoint's slices (the rows covering the part) or drawn
     a group at a time in the order, and so with the values, of the unsharded model's draw."""
-    source, specs = model.weight_source, {}
-    for spec in model.specs():
-        specs.setdefault((spec.group, spec.index), {})[spec.name] = spec
+    source, parts = model.weight_source, {}
     draw = model._random_drawer(source.seed) if isinstance(source, RandomWeights) else None
     reader = SliceReader(source.files) if isinstance(source, CheckpointWeights) else None
-    parts = {}
-    for decl in model.checked.program.groups.values():
+    for decl, index, specs in group_specs(model.checked, model.specs()):
         layout = layouts[decl.name]
-        for index in ([None] if decl.repeat is None else range(model.checked.repeat(decl.name))):
-            group_specs = [specs[(decl.key, index)][name] for name in layout.names]
-            if draw is not None:
-                part = _part_of({spec.name: draw(spec, source.std) for spec in group_specs}, layout, rank, world,
-                                model.trainable)
-            else:
-                start = rank * layout.part_size
-                flat = reader.read_flat(group_specs, layout.offsets, start, start + layout.part_size)
-                part = torch.nn.Parameter(flat.to(model.device), requires_grad=model.trainable)
-            if decl.repeat is None:
-                parts[decl.key] = part
-            else:
-                parts.setdefault(decl.key, []).append(part)
+        if draw is not None:
+            part = _part_of({spec.name: draw(spec, source.std) for spec in specs}, layout, rank, world, model.trainable)
+        else:
+            start = rank * layout.part_size
+            flat = reader.read_flat(specs, layout.offsets, start, start + layout.part_size)
+            part = torch.nn.Parameter(flat.to(model.device), requires_grad=model.trainable)
+        if index is None:
+            parts[decl.key] = part
+        else:
+            parts.setdefault(decl.key, []).append(part)
     return parts
 
 
