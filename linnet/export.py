@@ -83,7 +83,7 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
     error, a RuntimeError, names `folder`."""
     check_dtype(dtype)
     folder = Path(folder)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     sizes = {name: prod(shape) * itemsize for name, shape in shapes.items()}
     plan = plan_files(sizes, max_shard_size)
     names = _file_names(len(plan))
@@ -115,7 +115,7 @@ def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterato
                 dtype: torch.dtype) -> None:
     """One SafeTensors file: the header (every offset is known from the shapes), then each tensor's bytes."""
     header: dict = {"__metadata__": {"format": "pt"}}
-    offset, itemsize = 0, torch.empty((), dtype=dtype).element_size()
+    offset, itemsize = 0, dtype.itemsize
     for name, shape in shapes.items():
         end = offset + prod(shape) * itemsize
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import linecache
 import os
 from abc import ABC, abstractmethod
+from math import prod
 from pathlib import Path
 
 from linnet.cardlang.check import Checked
@@ -81,7 +82,7 @@ class LoadedModel(ABC):
 
     def _read_whole(self) -> None:
         source, specs = self.weight_source, self.specs()
-        self._check_fits(sum(_numel(spec.shape) for spec in specs))
+        self._check_fits(sum(prod(spec.shape) for spec in specs))
         if isinstance(source, RandomWeights):
             draw = self._random_drawer(source.seed)
             tensors = ((spec, draw(spec, source.std)) for spec in specs)
@@ -111,8 +112,8 @@ class LoadedModel(ABC):
     def _free_memory(self) -> tuple[str, int]:
         """(where the weights go, how many bytes are free there): the host's available memory by default."""
         try:
-            meminfo = Path("/proc/meminfo").read_text()
-            return "the host", int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
+            meminfo = Path("/proc/meminfo").read_text().splitlines()
+            return "the host", int(next(line.split()[1] for line in meminfo if line.startswith("MemAvailable:"))) * 1024
         except (OSError, StopIteration):
             return "the host", os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -177,9 +178,3 @@ class LoadedModel(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.card.name}, entries={self.entries}, numerics={self.numerics!r})"
 
-
-def _numel(shape) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Iterator
 
@@ -188,9 +189,7 @@ class SliceReader:
             from safetensors import safe_open
 
             self._open[path] = safe_open(path, framework="pt")
-        row = 1
-        for size in spec.shape[1:]:
-            row *= size
+        row = prod(spec.shape[1:])  # 1 for a vector
         first, last = start // row, -(-end // row)
         rows = self._open[path].get_slice(spec.checkpoint_name)[first:last]
         self.bytes_read += rows.numel() * rows.element_size()
@@ -202,10 +201,7 @@ class SliceReader:
 
         out = torch.zeros(end - start, dtype=torch.float32)
         for spec, offset in zip(specs, offsets):
-            numel = 1
-            for size in spec.shape:
-                numel *= size
-            lo, hi = max(start, offset), min(end, offset + numel)
+            lo, hi = max(start, offset), min(end, offset + prod(spec.shape))
             if lo < hi:
                 out[lo - start:hi - start] = self.read(spec, lo - offset, hi - offset)
         return out

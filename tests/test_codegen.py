@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from math import prod
 
 import pytest
 
@@ -73,10 +74,5 @@ PUBLISHED_PARAMETERS = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749
 def test_cards_have_the_published_parameter_counts(name, variant):
     from linnet.weights import weight_specs
 
-    count = 0
-    for spec in weight_specs(cards.resolve(name + variant).checked()):
-        numel = 1
-        for size in spec.shape:
-            numel *= size
-        count += numel
+    count = sum(prod(spec.shape) for spec in weight_specs(cards.resolve(name + variant).checked()))
     assert count == PUBLISHED_PARAMETERS[name]

@@ -71,16 +71,22 @@ def test_random_parts_are_the_unsharded_draw(tmp_path, tied, devices):
     check_parts(load(card), parts, devices)
 
 
-@pytest.mark.parametrize("devices", [1, 3, 4])
-def test_checkpoint_parts_read_each_range_once(checkpoint, monkeypatch, devices):
-    readers = []
+@pytest.fixture
+def readers(monkeypatch) -> list:
+    """Every SliceReader that building parts makes, from here on."""
+    made = []
 
     class CountingReader(SliceReader):
         def __init__(self, files):
             super().__init__(files)
-            readers.append(self)
+            made.append(self)
 
     monkeypatch.setattr(shard, "SliceReader", CountingReader)
+    return made
+
+
+@pytest.mark.parametrize("devices", [1, 3, 4])
+def test_checkpoint_parts_read_each_range_once(checkpoint, readers, devices):
     lazy = load(checkpoint, weights=None)
     layouts = shard.group_layouts(lazy.checked, devices)
     parts = shard.parts_from_source(lazy, layouts, mesh(devices))
@@ -159,15 +165,7 @@ def test_evaluate_builds_parts_over_every_device_and_keeps_them(tmp_path, batch)
     assert jax_train.evaluate(model, held_out) == loss  # again over the parts it kept
 
 
-def test_evaluate_then_train_builds_the_parts_once(checkpoint, monkeypatch):
-    readers = []
-
-    class CountingReader(SliceReader):
-        def __init__(self, files):
-            super().__init__(files)
-            readers.append(self)
-
-    monkeypatch.setattr(shard, "SliceReader", CountingReader)
+def test_evaluate_then_train_builds_the_parts_once(checkpoint, readers):
     model, batches = load(checkpoint, weights=None), rows(8)
     first_step = jax_train.evaluate(model, batches[:4])
     _, history = jax_train.train(model, batches, optimizer=optax.adamw(1e-2), steps=2, mesh=mesh(4),

@@ -3,6 +3,8 @@ only what its parts need, and gets exactly the unsharded model's values."""
 
 from __future__ import annotations
 
+from math import prod
+
 import pytest
 import torch
 
@@ -82,12 +84,8 @@ def model_bytes(folder) -> tuple[int, int]:
     for file in folder.glob("*.safetensors"):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                piece = f.get_slice(name)
-                numel = 1
-                for size in piece.get_shape():
-                    numel *= size
                 group = name.split(".")[2] if name.startswith("model.layers.") else name
-                sizes[group] = sizes.get(group, 0) + numel * 2
+                sizes[group] = sizes.get(group, 0) + prod(f.get_slice(name).get_shape()) * 2
     return sum(sizes.values()), max(sizes.values())
 
 

@@ -11,6 +11,7 @@ they fit."""
 
 from __future__ import annotations
 
+from math import prod
 from pathlib import Path
 
 import jax
@@ -71,7 +72,7 @@ class JaxModel(LoadedModel):
             super()._read_whole()
             return
         try:
-            self._check_fits(sum(int(np.prod(spec.shape)) for spec in self.specs()))
+            self._check_fits(sum(prod(spec.shape) for spec in self.specs()))
         except MemoryError as error:
             raise MemoryError(f"{error} (Its weights are the parts linnet.jax.train left over the mesh: "
                               f"model.save_weights(folder) writes them a group at a time.)") from None
@@ -113,7 +114,7 @@ class JaxModel(LoadedModel):
         for decl, index, specs in group_specs(self.checked, self.specs()):
             flat = np.array(part_at(source.parts, decl.key, index))
             for spec, offset in zip(specs, source.layouts[decl.name].offsets):
-                yield spec.checkpoint_name, flat[offset:offset + int(np.prod(spec.shape))].reshape(spec.shape)
+                yield spec.checkpoint_name, flat[offset:offset + prod(spec.shape)].reshape(spec.shape)
 
     def _check_placement(self, entry: str, inputs) -> None:
         self.check_whole(f"{entry}()")
