@@ -28,6 +28,8 @@ parser.add_argument("--recompute", default="gather", choices=["gather", "full"])
 parser.add_argument("--prefetch", type=int, default=1, help="layers whose gathers run ahead (fully_shard's prefetch)")
 parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
+parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (torch.profiler): FOLDER/trace.json.gz "
+                    "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
 args = parser.parse_args()
 
 dist.init_process_group("nccl")
@@ -45,8 +47,28 @@ torch.cuda.synchronize()
 load_s, load_peak = time.perf_counter() - start, torch.cuda.max_memory_allocated()  # nest.load and fully_shard
 optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
 torch.cuda.reset_peak_memory_stats()
-history = train(model, random_rows(rank, args.tokens, model.checked.dims["Vocab"]), optimizer=optimizer, steps=args.steps, on_step=lambda s: rank == 0 and print(
-    f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True))
+profiler = None
+if args.profile:
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                      schedule=torch.profiler.schedule(wait=args.steps - 3, warmup=1, active=2))
+    profiler.start()
+
+
+def on_step(s):
+    if rank == 0:
+        print(f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True)
+    if profiler is not None:
+        profiler.step()
+
+
+history = train(model, random_rows(rank, args.tokens, model.checked.dims["Vocab"]), optimizer=optimizer, steps=args.steps,
+                on_step=on_step)
+if profiler is not None:
+    profiler.stop()
+    if rank == 0:
+        os.makedirs(args.profile, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(args.profile, "trace.json.gz"))
+        print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
 result = dict(card=args.card, world=world, recompute=args.recompute, prefetch=args.prefetch,

@@ -88,8 +88,8 @@ def generated_code(rank: int, world: int, card, prefetch: int = 1, fake_world: i
     positions, segments = torch.arange(ROW, dtype=torch.int32)[None], torch.zeros(1, ROW, dtype=torch.int32)
     _, (forward, backward) = run_and_get_code(
         lambda: model.loss_packed(tokens, tokens, positions, segments, torch.ones(1, ROW)).backward())
-    layout = model.sharding.layouts["Layer"]
-    return forward, backward, layout.total, layout.part_size
+    layout, head = model.sharding.layouts["Layer"], model.sharding.layouts["Head"]
+    return forward, backward, layout.total, layout.part_size, head.total, head.part_size
 
 
 @pytest.fixture(scope="module")
@@ -99,26 +99,34 @@ def card(tmp_path_factory):
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_compiled_step_runs_the_schedule(card, prefetch):
-    forward_source, backward_source, gathered_size, part_size = run(generated_code, 1, card, prefetch, timeout=600)[0]
+    forward_source, backward_source, gathered_size, part_size, head_size, head_part = run(
+        generated_code, 1, card, prefetch, timeout=600)[0]
     forward = parse(forward_source, gathered_size, part_size)
     backward = parse(backward_source, gathered_size, part_size)
-    assert len(forward.launches) == LAYERS and len(backward.launches) == LAYERS
+    kept = range(LAYERS - prefetch - 1, LAYERS)  # the layers whose backward comes first keep their gathers
+    assert len(forward.launches) == LAYERS and len(backward.launches) == LAYERS - len(kept)
     assert len(backward.reduce_scatters) == LAYERS
 
     # Forward: layer i + prefetch's gather is launched before layer i's first matmul, and layer
-    # i + 1's is waited for after it.
+    # i + 1's is waited for after it; the head's gather is launched as a next layer's would be.
     weights = [gathered for _, _, gathered in forward.launches]
+    head = parse(forward_source, head_size, head_part)
+    (head_launch, _, head_gathered), = head.launches
     for i in range(LAYERS - 1):
         first_matmul = forward.first_matmul(weights[i])
         ahead = min(i + prefetch, LAYERS - 1)
         assert forward.launches[ahead][0] < first_matmul < forward.wait(weights[i + 1]), f"layer {i}"
-    assert forward.most_alive(weights) == prefetch + 1
+    assert head_launch < forward.first_matmul(weights[LAYERS - prefetch]) < forward.wait(head_gathered)
+    assert forward.most_alive(weights[:kept.start]) == min(prefetch + 1, kept.start)
+    returned = forward.lines[forward.first(r"^\s*return \(")]
+    assert all(re.search(rf"\b{weights[i]}\b", returned) for i in kept)  # kept for the backward, not freed
 
-    # Backward: the same, downwards; the backward's gathers are launched again (nothing kept).
+    # Backward: the same, downwards; the other layers' gathers are launched again.
     layer_of = {part: i for i, (_, part, _) in enumerate(forward.launches)}
     regathered = {layer_of[part]: gathered for _, part, gathered in backward.launches}
     launched = {layer_of[part]: line for line, part, _ in backward.launches}
-    for i in range(LAYERS - 1, 0, -1):
+    assert sorted(regathered) == list(range(kept.start))
+    for i in range(kept.start - 1, 0, -1):
         first_matmul = backward.first_matmul(regathered[i])
         below = max(i - prefetch, 0)
         assert launched[below] < first_matmul < backward.wait(regathered[i - 1]), f"layer {i}"
@@ -127,13 +135,18 @@ def test_compiled_step_runs_the_schedule(card, prefetch):
     # Each layer's reduce-scatter is launched before the layer below computes its gradient and
     # waited for after (the reduce-scatters run from the top layer down).
     for (line, result), i in zip(backward.reduce_scatters, range(LAYERS - 1, -1, -1)):
-        if i > 0:
+        if 0 < i <= kept.start:
             below = backward.first_matmul(regathered[i - 1])
             assert line < below < backward.wait(result), f"layer {i}'s reduce-scatter"
 
+    # The head's reduce-scatter runs under the last layer's backward: launched before that layer's
+    # own reduce-scatter, waited for after it.
+    (head_reduce, head_gradient), = parse(backward_source, head_size, head_part).reduce_scatters
+    assert head_reduce < backward.reduce_scatters[0][0] < backward.wait(head_gradient)
+
 
 def test_without_prefetch_each_gather_is_waited_for_before_the_next_is_launched(card):
-    forward_source, _, gathered_size, part_size = run(generated_code, 1, card, 0, timeout=600)[0]
+    forward_source, _, gathered_size, part_size, _, _ = run(generated_code, 1, card, 0, timeout=600)[0]
     forward = parse(forward_source, gathered_size, part_size)
     for (_, _, gathered), (next_launch, _, _) in zip(forward.launches, forward.launches[1:]):
         assert forward.wait(gathered) < next_launch
@@ -144,7 +157,7 @@ def test_a_tied_embedding_is_gathered_once_and_reduce_scattered_once(tmp_path):
     """Read by the embedding and by the head, its gradients meet before one reduce-scatter."""
     layers = 2
     tied = write_card(tmp_path, {**BASE, "num_hidden_layers": layers, "tie_word_embeddings": True}, None, repo="random")
-    forward, backward, _, _ = run(generated_code, 1, tied, timeout=600)[0]
+    forward, backward, *_ = run(generated_code, 1, tied, timeout=600)[0]
     groups = layers + 2  # the layers, the embedding (with the head's matrix) and the final norm
     assert forward.count("torch.ops.linnet.all_gather.default(") == groups
     assert backward.count("torch.ops.linnet.reduce_scatter.default(") == groups
@@ -153,7 +166,7 @@ def test_a_tied_embedding_is_gathered_once_and_reduce_scattered_once(tmp_path):
 def test_on_one_rank_a_gather_is_a_cast_made_once(card):
     """The backward gets the casts the forward made, not the f32 parts to cast again; the gradient's
     "reduce-scatter" is its one cast into the part's f32 gradient."""
-    forward, backward, total, _ = run(generated_code, 1, card, 1, 1, timeout=600)[0]
+    forward, backward, total, *_ = run(generated_code, 1, card, 1, 1, timeout=600)[0]
     parts = {m.group(1) for m in re.finditer(rf"assert_size_stride\((primals_\d+), \({total}, \), \(1, \)", forward)}
     inputs = set(re.search(r"^\s*(\w+(?:, \w+)*),? = args$", backward, re.MULTILINE).group(1).split(", "))
     assert len(parts) == LAYERS and not parts & inputs

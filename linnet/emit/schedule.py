@@ -24,6 +24,14 @@ its gather again, which is how the backward's gathers are placed. And
 passes both through, and in the backward waits for the part's gradient when
 x's gradient passes (which the layers below need): where the wait goes.
 
+The layers whose backward comes first (the last prefetch + 1) keep their
+gathered weights from the forward (`keep=True`), as FSDP2 keeps its root's,
+rather than gather them again while nothing else is in flight. When the
+caller reads one group next, after the loop (the head: `then`), the loop
+launches its gather as it would a next layer's, kept, and puts it in the
+caller's copy of params for its wait_gather; its reduce-scatter is then waited
+for under the last layer's backward instead of at once.
+
 The functions the lines call (hold, launch_gather, wait_gather, launch_of,
 after) are bound by linnet/torch/shard.py."""
 
@@ -55,26 +63,41 @@ class Schedule:
         below = "next layer's" if d == 1 else f"next {d} layers'"
         return [f"Prefetch depth {d}: layer i + {d}'s gather runs while layer i computes, and in the",
                 f"backward layer i - {d}'s while layer i's gradient is computed; a layer's reduce-scatter",
-                f"runs under the {below} backward."]
+                f"runs under the {below} backward. The last {d + 1} layers keep their gathers for the backward."]
 
-    def layer_loop(self, *, layers: str, group: str, loop_var: str, carried: str, body: list[str], indent: str) -> list[str]:
+    def layer_loop(self, *, layers: str, group: str, loop_var: str, carried: str, body: list[str], indent: str,
+                   then: tuple[str, str] | None = None) -> list[str]:
         """The lines of `for loop_var in layers: carried = ...body...`, with the gathers scheduled.
 
         layers: the source of the group's parts (`params['layers']`); body: the translated
         statements of one iteration, which read the layer's launched gather as `loop_var`
-        and wait for it first thing; carried: the variable one layer hands the next."""
+        and wait for it first thing; carried: the variable one layer hands the next; then:
+        (params key, group name) of the group the caller reads next, or None."""
         d, inner = self.prefetch, indent + "    "
-        return [
+        keep = f", keep=i + {d} >= len(parts) - {d + 1}" if d > 0 else ""
+        lines = [
             *(f"{indent}# {line}" for line in self._explained()),
             f"{indent}parts = {layers}",
             f"{indent}gathers = []",
             f"{indent}for i in range(-{d}, len(parts)):",
             f"{inner}if i + {d} < len(parts):",
             f"{inner}    {carried}, part = hold({carried}, parts[i + {d}])",
-            f"{inner}    gathers.append(launch_gather(part, {group!r}))",
+            f"{inner}    gathers.append(launch_gather(part, {group!r}{keep}))",
+        ]
+        if then is not None and d > 0:
+            key, name = then
+            lines += [
+                f"{inner}elif i + {d} == len(parts):  # the caller's {name}, launched as a next layer's would be",
+                f"{inner}    {carried}, part = hold({carried}, params[{key!r}])",
+                f"{inner}    gathers.append(launch_gather(part, {name!r}, keep=True))",
+                f"{inner}    params[{key!r}] = gathers[-1]",
+            ]
+        lines += [
             f"{inner}if i >= 0:",
             f"{inner}    {carried} = after({carried}, launch_of(gathers, i + {d}), launch_of(gathers, i - {d + 1}))",
             f"{inner}    {loop_var} = gathers[i]",
             *(inner + "    " + line for line in body),
-            f"{indent}{carried} = after({carried}, [], launch_of(gathers, *range(len(parts) - {d + 1}, len(parts))))",
         ]
+        if d == 0:  # the last layer's gather, launched again where the backward starts
+            lines.append(f"{indent}{carried} = after({carried}, [], launch_of(gathers, len(parts) - 1))")
+        return lines

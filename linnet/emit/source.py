@@ -80,7 +80,11 @@ def emit(
 
 
 def _calls(function: FunctionDecl) -> set[str]:
-    return {n.func.id for s in function.body for n in ast.walk(s) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    return set().union(*(_calls_in(s) for s in function.body))
+
+
+def _calls_in(statement: ast.stmt) -> set[str]:
+    return {n.func.id for n in ast.walk(statement) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
 
 
 def _needed_functions(checked: Checked, entries: list[str]) -> list[FunctionDecl]:
@@ -126,6 +130,8 @@ class _Writer:
         self.backend, self.cast_dtype, self.sharded, self.schedule = backend, cast_dtype, sharded, schedule
         self.takes_params = self._takes_params()
         self.shared = self._shared_groups() if schedule is not None else {}
+        scheduled = schedule is not None and schedule.communicates and schedule.prefetch > 0
+        self.then = self._read_after_loops() if scheduled else {}
 
     def _singletons_read(self, function: FunctionDecl) -> list[GroupDecl]:
         found = []
@@ -146,6 +152,31 @@ class _Writer:
         entries = set(self.program.entries)
         return {name: self.program.groups[name] for name, functions in readers.items()
                 if len(functions) > 1 and set(functions) - entries}
+
+    def _read_after_loops(self) -> dict[str, GroupDecl]:
+        """For each function with a layer loop, the singleton group that every entry calling it reads
+        first after the call (the head), where only entries read that group and none before the call:
+        the loop launches that group's gather as it would a next layer's."""
+        program = self.program
+        looping = {f.name for f in program.functions.values() if any(isinstance(n, ast.For) for s in f.body for n in ast.walk(s))}
+        read_elsewhere = {g.name for f in program.functions.values() if f.name not in program.entries
+                          for g in self._singletons_read(f)}
+        found: dict[str, set] = {}
+        for entry in (program.functions[name] for name in program.entries):
+            reached = {f.name for f in _needed_functions(self.checked, [entry.name])} & looping
+            called = [(at, c) for at, statement in enumerate(entry.body) for c in sorted(_calls_in(statement) & looping)]
+            for loop_function in reached:  # reached other than by one call from the entry: nothing follows
+                found.setdefault(loop_function, set()).add(None)
+            if len(called) != 1 or reached != {called[0][1]}:
+                continue
+            at, loop_function = called[0]
+            found[loop_function].discard(None)
+            before = {g.name for s in entry.body[:at + 1] for g, _ in self._groups_used(s, entry, {})}
+            after = [g for s in entry.body[at + 1:] for g, _ in self._groups_used(s, entry, {})
+                     if g.repeat is None and g.name not in self.shared]
+            group = after[0] if after and after[0].name not in before | read_elsewhere else None
+            found[loop_function].add(group)
+        return {function: groups.pop() for function, groups in found.items() if len(groups) == 1 and None not in groups}
 
     def _takes_params(self) -> set[str]:
         """Functions that reach a group through the module's weights, directly or by a call."""
@@ -202,6 +233,8 @@ class _Writer:
             for group in (g for g in self.shared.values() if g.name in reached):
                 lines.append(f"    params = {{**params, {group.key!r}: gather(params[{group.key!r}], {group.name!r})}}"
                              "  # read by several functions: gathered once")
+            if any(g.name in reached for g in self.then.values()) and len(lines) == 1:
+                lines.append("    params = {**params}  # a copy, which the layer loop puts its launch of the next group in")
         lines += self.block(function.body, function, {}, fetched=set(), indent="    ")
         return lines
 
@@ -219,9 +252,11 @@ class _Writer:
                 inner = {**loop_vars, statement.target.id: group.name}
                 if self.schedule is not None and self.schedule.communicates:
                     body = self.block(statement.body, function, inner, set(fetched), indent="")
+                    then = self.then.get(function.name)
                     lines += self.schedule.layer_loop(layers=f"params[{group.key!r}]", group=group.name,
                                                       loop_var=statement.target.id, carried=_carried(statement),
-                                                      body=body, indent=indent)
+                                                      body=body, indent=indent,
+                                                      then=then and (then.key, then.name))
                     continue
                 lines.append(f"{indent}for {statement.target.id} in params[{group.key!r}]:")
                 lines += self.block(statement.body, function, inner, set(fetched), indent + "    ")
@@ -255,6 +290,8 @@ class _Writer:
             return f"{variable} = wait_gather({source}, {group.name!r})"
         if group.name in self.shared:  # gathered by the entry
             return f"{variable} = {source}"
+        if any(g.name == group.name for g in self.then.values()):
+            return f"{variable} = wait_gather({source}, {group.name!r})  # launched by the layer loop"
         if self.sharded:
             return f"{variable} = gather({source}, {group.name!r})"
         return f"{variable} = {source}" if group.repeat is None else None

@@ -30,7 +30,7 @@ class TorchModel(LoadedModel):
 
     def _compile(self, function):
         if self.compile_mode == "inductor":
-            return torch.compile(function, fullgraph=True, backend="inductor")
+            return torch.compile(function, fullgraph=True, backend="inductor", options={"reorder_for_peak_memory": False})
         return function
 
     def _read_device(self) -> str:

@@ -264,9 +264,13 @@ def _launch(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch
     return ops.all_gather(part.detach(), sharding.compute_dtype, sharding.world, sharding.group_name)
 
 
-def _launch_gather(sharding: Sharding, part: torch.Tensor, group: str) -> Launched | Pending:
+def _launch_gather(sharding: Sharding, part: torch.Tensor, group: str, keep: bool = False) -> Launched | Pending:
+    """keep: the gathered buffer is kept for the backward (the groups whose backward comes first);
+    otherwise the backward launches the gather again."""
     if not torch.compiler.is_compiling():
         return Pending(part)
+    if keep:
+        return Launched(part, *_launch(sharding, part))
     # A region of its own, so that the launch is recomputed in the backward (where its token is
     # first needed) rather than its buffer kept from the forward.
     gathered, token = checkpoint(_launch, sharding, part, use_reentrant=False,

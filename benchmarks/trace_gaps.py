@@ -1,0 +1,71 @@
+"""Where the compute stream waits, from a torch.profiler Chrome trace (step.py --profile):
+
+    python3 benchmarks/trace_gaps.py FOLDER/trace.json.gz [--top 20]
+
+Prints, per CUDA stream, its kernels' busy time in the traced window; for the stream with the
+most kernels (the compute stream), its idle time and the largest gaps, each with the kernels on
+either side and which other streams were busy during it (the simulated world's sleeps are
+communication). What a step leaves exposed is the compute stream's idle time."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+
+def kernels(path: str) -> list[dict]:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+
+
+def busy(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("trace")
+    p.add_argument("--top", type=int, default=20)
+    a = p.parse_args()
+    found = kernels(a.trace)
+    streams = collections.defaultdict(list)
+    for e in found:
+        streams[e["args"].get("stream")].append(e)
+    window = (found[0]["ts"], max(e["ts"] + e["dur"] for e in found))
+    span = window[1] - window[0]
+    print(f"traced window {span / 1e3:.1f} ms, {len(found)} kernels")
+    for stream, es in sorted(streams.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        print(f"  stream {stream}: {len(es)} kernels, busy {busy([(e['ts'], e['ts'] + e['dur']) for e in es]) / 1e3:.1f} ms")
+    compute = max(streams, key=lambda s: len(streams[s]))  # the most kernels: a sleep is one long kernel
+    es = streams[compute]
+    others = [(e["ts"], e["ts"] + e["dur"]) for s, x in streams.items() if s != compute for e in x]
+    gaps = []
+    for before, after in zip(es, es[1:]):
+        start, stop = before["ts"] + before["dur"], after["ts"]
+        if stop > start:
+            overlapped = busy([(max(s, start), min(t, stop)) for s, t in others if t > start and s < stop])
+            gaps.append((stop - start, overlapped, before["name"], after["name"], start - window[0]))
+    idle = sum(g[0] for g in gaps)
+    print(f"compute stream {compute}: idle {idle / 1e3:.1f} ms of {span / 1e3:.1f} "
+          f"({sum(1 for g in gaps if g[0] > 50)} gaps over 50 us, {sum(g[0] for g in gaps if g[0] > 50) / 1e3:.1f} ms)")
+    for length, overlapped, before, after, at in sorted(gaps, reverse=True)[:a.top]:
+        print(f"  {length / 1e3:7.3f} ms at {at / 1e3:8.2f} ms (other streams busy {overlapped / 1e3:.3f})  "
+              f"after {before[:60]!r}  before {after[:60]!r}")
+    by_name = collections.Counter()
+    for e in es:
+        by_name[e["name"][:80]] += e["dur"]
+    print("compute stream's kernels by time:")
+    for name, dur in by_name.most_common(a.top):
+        print(f"  {dur / 1e3:8.2f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()
