@@ -14,7 +14,8 @@ Candidates:
   flex-same-doc           flex attention, mask `kv <= q and segment[q] == segment[kv]` (today's)
   flex-doc-start          flex attention, mask `document_start[q] <= kv <= q`, and tuned block sizes
   varlen-flash            FlashAttention-2 over cu_seqlens (torch.nn.attention.varlen)
-  varlen-cudnn            cuDNN over cu_seqlens (aten._cudnn_attention_forward), key/value heads repeated
+  varlen-cudnn            cuDNN over cu_seqlens (aten._cudnn_attention_forward); with key/value heads
+                          repeated; with cu_seqlens padded by empty documents to a fixed length
   flex-doc-start-flash    flex attention's FLASH backend (FlashAttention-4, the flash-attn-4 package)
   varlen-fa4              FlashAttention-4 over cu_seqlens (flash_attn.cute.flash_attn_varlen_func)
 """
@@ -22,6 +23,7 @@ Candidates:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 
@@ -62,31 +64,17 @@ def exact(q, k, v, segments):
 
 
 def to_thd(x):  # (1, H, S, Dh) -> (S, H, Dh)
-    return x[0].transpose(0, 1)
+    return x[0].transpose(0, 1).contiguous()  # a no-op for heads split as the model splits them
 
 
 def from_thd(x):
     return x.transpose(0, 1)[None]
 
 
-class CudnnVarlen(torch.autograd.Function):
-    """cuDNN's attention over cu_seqlens, causal within each document (no GQA: heads repeated)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False)
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.max_len = max_len
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device), cu, cu,
-            ctx.max_len, ctx.max_len, 0.0, True)
-        return dq, dk, dv, None, None
+def cudnn_varlen(q, k, v, cu, max_len):
+    """cuDNN's attention over cu_seqlens, causal within each document; (T, H, Dh) in and out.
+    Differentiable through aten's own derivative of _cudnn_attention_forward."""
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False)[0]
 
 
 def candidates(lay: dict, heads: int, kv_heads: int):
@@ -100,8 +88,7 @@ def candidates(lay: dict, heads: int, kv_heads: int):
         return (kv <= q) & (kv >= starts[b, q])
 
     same_mask = create_block_mask(same_document, 1, None, seq, seq, device="cuda")
-    start_masks = {bs: create_block_mask(from_document_start, 1, None, seq, seq, device="cuda", BLOCK_SIZE=bs)
-                   for bs in (128, 64)}
+    start_mask = create_block_mask(from_document_start, 1, None, seq, seq, device="cuda")
     flex = torch.compile(flex_attention, dynamic=False)
 
     def sdpa(backend):
@@ -112,11 +99,17 @@ def candidates(lay: dict, heads: int, kv_heads: int):
 
     def varlen_flash(q, k, v):
         from torch.nn.attention.varlen import varlen_attn
-        return from_thd(varlen_attn(to_thd(q), to_thd(k), to_thd(v), cu, cu, seq, seq, is_causal=True, enable_gqa=True))
+        return from_thd(varlen_attn(to_thd(q), to_thd(k), to_thd(v), cu, cu, seq, seq, window_size=(-1, 0), enable_gqa=True))
 
-    def varlen_cudnn(q, k, v):
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        return from_thd(CudnnVarlen.apply(to_thd(q), to_thd(k), to_thd(v), cu, seq))
+    def varlen_cudnn(cu, repeat=False):
+        def run(q, k, v):
+            if repeat:
+                k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+            return from_thd(cudnn_varlen(to_thd(q), to_thd(k), to_thd(v), cu, seq))
+        return run
+
+    def padded(count):  # cu_seqlens of a fixed length: empty documents after the last
+        return torch.cat([cu, cu.new_full((count + 1 - len(cu),), seq)])
 
     def varlen_fa4(q, k, v):
         from flash_attn.cute import flash_attn_varlen_func
@@ -128,19 +121,19 @@ def candidates(lay: dict, heads: int, kv_heads: int):
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "flex-same-doc": lambda q, k, v: flex(q, k, v, block_mask=same_mask, enable_gqa=True),
+        "flex-doc-start": lambda q, k, v: flex(q, k, v, block_mask=start_mask, enable_gqa=True),
+        "flex-doc-start-128x64-w8": lambda q, k, v: flex(q, k, v, block_mask=start_mask, enable_gqa=True,
+                                                         kernel_options=dict(BLOCK_M=128, BLOCK_N=64, num_warps=8)),
         "varlen-flash": varlen_flash,
-        "varlen-cudnn": varlen_cudnn,
-        "varlen-fa4": varlen_fa4,
-        "flex-doc-start-flash": lambda q, k, v: flex(q, k, v, block_mask=start_masks[128], enable_gqa=True,
-                                                     kernel_options={"BACKEND": "FLASH"}),
+        "varlen-cudnn": varlen_cudnn(cu),
+        "varlen-cudnn-repeat-kv": varlen_cudnn(cu, repeat=True),
+        "varlen-cudnn-pad64": varlen_cudnn(padded(64)),
+        "varlen-cudnn-pad-seq": varlen_cudnn(padded(seq)),
     }
-    for bs, mask in start_masks.items():
-        found[f"flex-doc-start-{bs}"] = lambda q, k, v, mask=mask: flex(q, k, v, block_mask=mask, enable_gqa=True)
-    options = {"fwd128x128": dict(BLOCK_M=128, BLOCK_N=128), "fwd128x64-w8": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8),
-               "fwd128x128-s3": dict(BLOCK_M=128, BLOCK_N=128, num_stages=3, num_warps=8)}
-    for name, opts in options.items():
-        found[f"flex-doc-start-128-{name}"] = (
-            lambda q, k, v, opts=opts: flex(q, k, v, block_mask=start_masks[128], enable_gqa=True, kernel_options=opts))
+    if importlib.util.find_spec("flash_attn") is not None:
+        found["varlen-fa4"] = varlen_fa4
+        found["flex-doc-start-flash"] = lambda q, k, v: flex(q, k, v, block_mask=start_mask, enable_gqa=True,
+                                                             kernel_options={"BACKEND": "FLASH"})
     return found
 
 
@@ -175,9 +168,11 @@ def main():
     a = p.parse_args()
     heads, kv_heads, head_dim = SHAPES[a.shape]
     torch.manual_seed(0)
-    q = torch.randn(1, heads, a.seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, kv_heads, a.seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(1, kv_heads, a.seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    def heads_of(count):  # (1, H, S, Dh) over (1, S, H, Dh) memory, as the model's split_heads makes them
+        x = torch.randn(1, a.seq, count, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return x.requires_grad_()
+
+    q, k, v = heads_of(heads), heads_of(kv_heads), heads_of(kv_heads)
     grad = torch.randn(1, heads, a.seq, head_dim, device="cuda", dtype=torch.bfloat16)
     for name, lengths in (("one-document", [a.seq]), ("packed", document_lengths(a.seq, seed=0))):
         lay = layout(lengths, "cuda")
