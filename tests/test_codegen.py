@@ -59,9 +59,17 @@ def test_cli_prints_cards_and_source(capsys):
     # The PyTorch sharded form shows its schedule: launches two layers ahead, waits in the layer.
     assert main(["torch", "llama-3.2-1b", "--fully-shard", "--prefetch", "2", "--entry", "loss_packed"]) == 0
     source = capsys.readouterr().out
-    assert "# Prefetch depth 2" in source and "gathers.append(launch_gather(part, 'Layer'))" in source
+    assert "# Prefetch depth 2" in source
+    assert "gathers.append(launch_gather(part, 'Layer', keep=i + 2 >= len(parts) - 3))" in source
     assert "x = after(x, launch_of(gathers, i + 2), launch_of(gathers, i - 3))" in source
     assert "    w = wait_gather(w, 'Layer')" in source
+    # The head is launched by the layer loop; an untied embedding is looked up, not gathered.
+    assert "gathers.append(launch_gather(part, 'Head', keep=True))" in source
+    assert "head_weights = wait_gather(params['head'], 'Head')" in source
+    assert main(["torch", "llama-3.1-8b", "--fully-shard", "--entry", "loss_packed"]) == 0
+    source = capsys.readouterr().out
+    assert "x = lookup(tokens, params['embedding'], 'Embedding', 'embed_tokens')" in source
+    assert "gather(params['embedding']" not in source
 
 
 # Parameter counts of the published models (transformers' LlamaForCausalLM with each config.json).

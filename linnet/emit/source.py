@@ -130,8 +130,9 @@ class _Writer:
         self.backend, self.cast_dtype, self.sharded, self.schedule = backend, cast_dtype, sharded, schedule
         self.takes_params = self._takes_params()
         self.shared = self._shared_groups() if schedule is not None else {}
-        scheduled = schedule is not None and schedule.communicates and schedule.prefetch > 0
-        self.then = self._read_after_loops() if scheduled else {}
+        communicates = schedule is not None and schedule.communicates
+        self.looked_up = self._tables_only() if communicates else {}
+        self.then = self._read_after_loops() if communicates and schedule.prefetch > 0 else {}
 
     def _singletons_read(self, function: FunctionDecl) -> list[GroupDecl]:
         found = []
@@ -152,6 +153,22 @@ class _Writer:
         entries = set(self.program.entries)
         return {name: self.program.groups[name] for name, functions in readers.items()
                 if len(functions) > 1 and set(functions) - entries}
+
+    def _tables_only(self) -> dict[str, GroupDecl]:
+        """Singleton groups of one weight that the card reads only as the table of `embedding(...)` (an
+        untied embedding): sharded code looks up their rows (`lookup`) rather than gather them whole."""
+        reads: dict[str, list[bool]] = {}
+        for function in self.program.functions.values():
+            nodes = [n for s in function.body for n in ast.walk(s)]
+            tables = {id(n.args[1]) for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                      and n.func.id == "embedding" and len(n.args) == 2}
+            for node in nodes:
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in self.program.groups:
+                    group = self._resolve(node, function)[0]
+                    if group.repeat is None:
+                        reads.setdefault(group.name, []).append(id(node) in tables)
+        return {name: self.program.groups[name] for name, table in reads.items()
+                if all(table) and len(self.program.groups[name].weights) == 1}
 
     def _read_after_loops(self) -> dict[str, GroupDecl]:
         """For each function with a layer loop, the singleton group that every entry calling it reads
@@ -273,14 +290,14 @@ class _Writer:
         for node in (n for root in nodes for n in ast.walk(root)):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 group, _, variable = self._resolve(node, function, loop_vars)
-                if (group, variable) not in used:
+                if (group, variable) not in used and group.name not in self.looked_up:
                     used.append((group, variable))
         if isinstance(statement, ast.For):  # singletons used in a loop are fetched once, before it
             inner = {**loop_vars, statement.target.id: statement.iter.id}
             for node in (n for s in statement.body for n in ast.walk(s)):
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                     group, _, variable = self._resolve(node, function, inner)
-                    if group.repeat is None and (group, variable) not in used:
+                    if group.repeat is None and (group, variable) not in used and group.name not in self.looked_up:
                         used.append((group, variable))
         return used
 
@@ -312,6 +329,12 @@ class _Translate(ast.NodeTransformer):
         return self.writer.weight(variable, weight)
 
     def visit_Call(self, node: ast.Call):
+        if node.func.id == "embedding" and isinstance(table := node.args[-1], ast.Attribute):
+            group, weight, _ = self.writer._resolve(table, self.function, self.loop_vars)
+            if group.name in self.writer.looked_up:  # the rows of this rank's tokens, from every rank's part
+                tokens = self.visit(node.args[0])
+                part = ast.Subscript(ast.Name("params"), ast.Constant(group.key))
+                return ast.Call(ast.Name("lookup"), [tokens, part, ast.Constant(group.name), ast.Constant(weight)], [])
         self.generic_visit(node)
         program = self.writer.program
         callee = program.functions.get(node.func.id)

@@ -211,6 +211,7 @@ def _bindings(sharding: Sharding) -> dict:
         "hold": _hold,
         "after": _after,
         "checkpointed": partial(_checkpointed, sharding.recompute, sharding.world),
+        "lookup": partial(_lookup, sharding),
     }
 
 
@@ -294,6 +295,48 @@ def _launch_of(gathers: list, *indices: int) -> list[torch.Tensor]:
 
 def _after(x: torch.Tensor, forward_deps: list, backward_deps: list) -> torch.Tensor:
     return ops.after(x, forward_deps, backward_deps) if forward_deps or backward_deps else x
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """x, whose gradient is multiplied by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient * ctx.scale, None
+
+
+def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group: str, weight: str) -> torch.Tensor:
+    """The rows of a table (the untied embedding) for this rank's tokens, looked up without gathering
+    the table: every rank's tokens are gathered (a few KB), each rank takes the rows its part holds,
+    zeros elsewhere, and a reduce-scatter sums each rank's rows from all parts (exact: one part holds
+    each element). In the backward the rows' gradients are gathered and each rank adds those of its
+    own rows into its part's gradient, in f32: a gather of the tokens' rows instead of the table's,
+    and no reduce-scatter of the table's gradient. As every other group's, the part's gradient is
+    that of the mean of the ranks' losses."""
+    functional, wait = torch.ops._c10d_functional, torch.ops._c10d_functional.wait_tensor
+    layout, world, rank = sharding.layouts[group], sharding.world, sharding.rank
+    index = layout.names.index(weight)
+    (rows, width), offset = layout.shapes[index], layout.offsets[index]
+    start = rank * layout.part_size
+    low, high = max(start, offset), min(start + layout.part_size, offset + rows * width)  # the table's elements here
+    first = max(low - offset, 0) // width
+    count = max(-(-(high - offset) // width) - first, 1) if high > low else 1
+    slab = torch.zeros(count * width, dtype=part.dtype, device=part.device)
+    if high > low:  # the part's elements of rows first .. first + count, zeros around them
+        left = low - offset - first * width
+        slab = torch.nn.functional.pad(part[low - start:high - start], (left, count * width - left - (high - low)))
+    everyone = wait(functional.all_gather_into_tensor(tokens.reshape(-1), world, sharding.group_name)).to(torch.int64)
+    local = everyone - first
+    held = ((local >= 0) & (local < count) & torch.tensor(high > low, device=part.device))[:, None]
+    found = slab.view(count, width)[local.clamp(0, count - 1)] * held  # (world x tokens, width), f32
+    found = _ScaleGradient.apply(found.to(sharding.compute_dtype), 1.0 / world)
+    mine = torch.ops._c10d_functional_autograd.reduce_scatter_tensor(found, "sum", world, sharding.group_name)
+    return wait(mine).view(*tokens.shape, width)
 
 
 def gathered_weights(model: TorchModel, dtype: torch.dtype):
