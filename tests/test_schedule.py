@@ -88,8 +88,8 @@ def generated_code(rank: int, world: int, card, prefetch: int = 1, fake_world: i
     positions, segments = torch.arange(ROW, dtype=torch.int32)[None], torch.zeros(1, ROW, dtype=torch.int32)
     _, (forward, backward) = run_and_get_code(
         lambda: model.loss_packed(tokens, tokens, positions, segments, torch.ones(1, ROW)).backward())
-    layout, head = model.sharding.layouts["Layer"], model.sharding.layouts["Head"]
-    return forward, backward, layout.total, layout.part_size, head.total, head.part_size
+    layout, head, table = (model.sharding.layouts[name] for name in ("Layer", "Head", "Embedding"))
+    return forward, backward, layout.total, layout.part_size, head.total, head.part_size, (table.total, table.part_size)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def card(tmp_path_factory):
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_compiled_step_runs_the_schedule(card, prefetch):
-    forward_source, backward_source, gathered_size, part_size, head_size, head_part = run(
+    forward_source, backward_source, gathered_size, part_size, head_size, head_part, table = run(
         generated_code, 1, card, prefetch, timeout=600)[0]
     forward = parse(forward_source, gathered_size, part_size)
     backward = parse(backward_source, gathered_size, part_size)
@@ -144,9 +144,16 @@ def test_compiled_step_runs_the_schedule(card, prefetch):
     (head_reduce, head_gradient), = parse(backward_source, head_size, head_part).reduce_scatters
     assert head_reduce < backward.reduce_scatters[0][0] < backward.wait(head_gradient)
 
+    # The untied embedding is looked up: its table is never gathered nor its gradient reduce-scattered;
+    # the tokens are gathered, and the rows reduce-scattered (forward) and gathered (backward).
+    assert not parse(forward_source, *table).launches and not parse(backward_source, *table).reduce_scatters
+    assert "_c10d_functional.all_gather_into_tensor.default(" in forward_source
+    assert "_c10d_functional.reduce_scatter_tensor.default(" in forward_source
+    assert "_c10d_functional.all_gather_into_tensor.default(" in backward_source
+
 
 def test_without_prefetch_each_gather_is_waited_for_before_the_next_is_launched(card):
-    forward_source, _, gathered_size, part_size, _, _ = run(generated_code, 1, card, 0, timeout=600)[0]
+    forward_source, _, gathered_size, part_size, *_ = run(generated_code, 1, card, 0, timeout=600)[0]
     forward = parse(forward_source, gathered_size, part_size)
     for (_, _, gathered), (next_launch, _, _) in zip(forward.launches, forward.launches[1:]):
         assert forward.wait(gathered) < next_launch

@@ -16,7 +16,8 @@ The order is fixed:
      ahead) with the functions it calls bound here: the backward of a gather
      reduce-scatters the gradient into the f32 part, and each layer's gathered
      weights are not kept for the backward (ZeRO-3): the backward gathers them
-     again.
+     again. A table read only by lookups (an untied embedding) is never
+     gathered: `lookup` moves the rows of the tokens instead.
 
 Compiled (torch.compile), the schedule is the graph's: launches, waits and
 the `after` dependencies are nodes, each launch in a checkpoint region of its
