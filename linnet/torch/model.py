@@ -30,7 +30,11 @@ class TorchModel(LoadedModel):
 
     def _compile(self, function):
         if self.compile_mode == "inductor":
-            return torch.compile(function, fullgraph=True, backend="inductor", options={"reorder_for_peak_memory": False})
+            # Communicating, the generated code's order is the schedule (linnet/emit/schedule.py): inductor's
+            # reordering for peak memory would move collectives' waits next to their launches.
+            communicates = self.sharding is not None and self.sharding.world > 1
+            options = {"reorder_for_peak_memory": False} if communicates else {}
+            return torch.compile(function, fullgraph=True, backend="inductor", options=options)
         return function
 
     def _read_device(self) -> str:
