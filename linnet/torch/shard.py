@@ -333,7 +333,7 @@ def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group:
         slab = torch.nn.functional.pad(part[low - start:high - start], (left, count * width - left - (high - low)))
     everyone = wait(functional.all_gather_into_tensor(tokens.reshape(-1), world, sharding.group_name)).to(torch.int64)
     local = everyone - first
-    held = ((local >= 0) & (local < count) & torch.tensor(high > low, device=part.device))[:, None]
+    held = ((local >= 0) & (local < count))[:, None]  # (a part with none of the table has a slab of zeros)
     found = slab.view(count, width)[local.clamp(0, count - 1)] * held  # (world x tokens, width), f32
     found = _ScaleGradient.apply(found.to(sharding.compute_dtype), 1.0 / world)
     mine = torch.ops._c10d_functional_autograd.reduce_scatter_tensor(found, "sum", world, sharding.group_name)
