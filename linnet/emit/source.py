@@ -52,7 +52,7 @@ def emit(
     sharded = sharded or schedule is not None
     writer = _Writer(checked, backend, cast_dtype, sharded, schedule)
     prims = backend.prims[numerics]
-    used = [name for name in PRIMITIVES if any(name in _calls(f) for f in functions)]
+    used = [name for name in PRIMITIVES if any(name in _calls(f) for f in functions)]  # in the card's order
     mode = "unsharded"
     if sharded:
         mode = "sharded: gathers each group where it is first used"
@@ -72,10 +72,13 @@ def emit(
         *(f"{name} = {backend.dtypes[generics[name]]}" for name in program.dtypes),
         "",
     ]
-    for name in used:
+    written = [writer.function(function) for function in functions]
+    called = {n.func.id for f in written for n in ast.walk(ast.parse("\n".join(f)))
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    for name in (n for n in used if n in called):  # a looked-up table's rows need no `embedding`
         lines += ["", "", _primitive_source(prims[name], name)]
-    for function in functions:
-        lines += ["", "", *writer.function(function)]
+    for function in written:
+        lines += ["", "", *function]
     return "\n".join(lines) + "\n"
 
 

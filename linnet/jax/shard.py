@@ -21,6 +21,7 @@ parts and calls them."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -49,13 +50,6 @@ class GroupLayout:
         return self.total // devices
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def group_layouts(checked: Checked, devices: int) -> dict[str, GroupLayout]:
     """The flat layout of every group of the card, for `devices` parts each."""
     layouts = {}
@@ -65,7 +59,7 @@ def group_layouts(checked: Checked, devices: int) -> dict[str, GroupLayout]:
         offsets, end = [], 0
         for shape in shapes:
             offsets.append(end)
-            end += _numel(shape)
+            end += math.prod(shape)
         total = -(-end // devices) * devices
         if 2 * end < total:
             raise ValueError(f"group {decl.name} has {end} elements: split over {devices} devices, more than half "
@@ -83,7 +77,7 @@ def flatten(weights: dict, layout: GroupLayout) -> jax.Array:
 
 def views(flat: jax.Array, layout: GroupLayout) -> dict[str, jax.Array]:
     """The group's weights, cut from a full flat buffer (gathered, or as saved)."""
-    return {name: jax.lax.slice_in_dim(flat, offset, offset + _numel(shape)).reshape(shape)
+    return {name: jax.lax.slice_in_dim(flat, offset, offset + math.prod(shape)).reshape(shape)
             for name, shape, offset in zip(layout.names, layout.shapes, layout.offsets)}
 
 
@@ -136,7 +130,7 @@ def parts_from_source(model, layouts: dict[str, GroupLayout], mesh: Mesh) -> dic
             flat = np.zeros(layout.total, np.float32)
             if draw is not None:
                 for spec, offset in zip(specs, layout.offsets):
-                    flat[offset:offset + _numel(spec.shape)] = draw(spec, source.std).reshape(-1)
+                    flat[offset:offset + math.prod(spec.shape)] = draw(spec, source.std).reshape(-1)
             else:
                 flat[:layout.extent] = np.asarray(part_at(source.parts, decl.key, index))[:layout.extent]
             read = partial(_cut, flat)

@@ -29,6 +29,7 @@ and a gather launched outside it would be kept, as its argument, until then."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -59,12 +60,12 @@ class GroupLayout:
 
     @property
     def numel(self) -> int:
-        return sum(_numel(s) for s in self.shapes)
+        return sum(math.prod(s) for s in self.shapes)
 
     @property
     def extent(self) -> int:
         """Where the last weight ends: the buffer's content, before the padding."""
-        return self.offsets[-1] + _numel(self.shapes[-1])
+        return self.offsets[-1] + math.prod(self.shapes[-1])
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,6 @@ class Sharding:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype  # what gradients are reduce-scattered in
     schedule: Schedule
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, recompute: str = "gather",
@@ -124,7 +118,7 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, re
     for decl in checked.program.groups.values():
         weights = [w for w in decl.weights if not checked.is_tied(w)]
         shapes = tuple(checked.weight_shape(w) for w in weights)
-        layout = ops.flat_layout([_numel(s) for s in shapes], ALIGN, world)
+        layout = ops.flat_layout([math.prod(s) for s in shapes], ALIGN, world)
         layouts[decl.name] = GroupLayout(decl.name, tuple(w.name for w in weights), shapes, tuple(layout.offsets),
                                          layout.total, layout.part_size)
         _check_split(layouts[decl.name], world)
