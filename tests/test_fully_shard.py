@@ -93,6 +93,85 @@ def test_sharded_training_equals_single_process(card, world):
         assert any(layout.total > layout.extent for layout in results[0][2].values())
 
 
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """The same Llama with a head of its own: sharded, its embedding is looked up, not gathered."""
+    return write_card(tmp_path_factory.mktemp("untied"), {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": False},
+                      LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+
+
+@pytest.mark.parametrize("world, compile", [(2, None), (3, None), (4, None), (2, "inductor")])
+def test_a_looked_up_embedding_trains_as_single_process(untied, world, compile):
+    """The table's rows are summed in another order than one process sums them (a ~3e-7 relative
+    difference in its gradient: the next test), which AdamW's per-element steps grow to ~1.6e-5 over
+    five steps at world 3: the table is held to 5e-5, the rest to 1e-5."""
+    expected_losses, expected_weights = reference(untied, world)
+    for losses, weights, _ in run(sharded_training, world, untied, compile, "gather", timeout=600):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        for name, tensor in weights.items():
+            bar = 5e-5 if name == "model.embed_tokens.weight" else 1e-5
+            assert relative_error(tensor, expected_weights[name].numpy()) < bar, name
+
+
+def table_gradient(rank: int, world: int, card) -> np.ndarray:
+    """This rank's part of the table's gradient after one step of linnet.train (the optimizer is stopped)."""
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    model = fully_shard(load(card))
+    captured = []
+
+    class Capture(torch.optim.SGD):
+        def step(self, closure=None):
+            captured.append(next(iter(model.parameters())).grad.detach().clone())  # the embedding's part: first
+
+    train(model, iter(rows(world)[rank::world]), optimizer=Capture(list(model.parameters()), lr=0.0), steps=1,
+          on_step=lambda s: None)
+    return captured[0].numpy()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_looked_up_tables_gradient_is_single_process_one(untied, world):
+    model = load(untied, batch=world)
+    batch = rows(world)[:world]
+    model.loss_packed(*[torch.from_numpy(np.stack([getattr(r, f) for r in batch])) for f in FIELDS]).backward()
+    expected = dict(model.named_weights())["model.embed_tokens.weight"].grad.reshape(-1).numpy()
+    parts = np.concatenate(run(table_gradient, world, untied, timeout=300))[:expected.size]
+    assert relative_error(parts, expected) < 1e-6
+
+
+def looked_up(rank: int, world: int, rows: int, width: int, part_size: int):
+    """`lookup` on a table of rows x width laid out in parts of part_size: each rank's rows, and its
+    part's gradient, against what the whole table gives."""
+    import torch.distributed as dist
+
+    from linnet.emit.schedule import Schedule
+    from linnet.torch.shard import GroupLayout, Sharding, _lookup
+
+    layout = GroupLayout("Embedding", ("embed_tokens",), ((rows, width),), (0,), world * part_size, part_size)
+    sharding = Sharding(dist.group.WORLD.group_name, rank, world, {"Embedding": layout}, "gather", torch.float32,
+                        torch.float32, Schedule())
+    table = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width) + 1
+    flat = torch.cat([table.reshape(-1), torch.zeros(layout.total - rows * width)])
+    part = flat[rank * part_size:(rank + 1) * part_size].clone().requires_grad_()
+    tokens = [torch.tensor([[r % rows, rows - 1, rows - 1, 0]], dtype=torch.int32) for r in range(world)]  # repeats
+    scales = [torch.randn(1, 4, width, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    found = _lookup(sharding, tokens[rank], part, "Embedding", "embed_tokens")
+    (found * scales[rank]).sum().backward()
+    whole = table.clone().requires_grad_()
+    sum(((whole[t.long()] * g).sum() for t, g in zip(tokens, scales))).backward()  # every rank's loss
+    expected = torch.cat([whole.grad.reshape(-1) / world, torch.zeros(layout.total - rows * width)])
+    return (torch.equal(found, table[tokens[rank].long()]),
+            torch.allclose(part.grad, expected[rank * part_size:(rank + 1) * part_size], atol=1e-6))
+
+
+@pytest.mark.parametrize("rows, width, part_size", [(4, 3, 5), (3, 4, 8)])
+def test_lookup_reads_rows_across_parts_and_returns_the_mean_gradient(rows, width, part_size):
+    """Parts that end mid-row (4 x 3 in parts of 5), and a part of padding alone (3 x 4 in parts of 8, at
+    3 ranks the last holds none of the table); repeated tokens; the gradient of the mean of the ranks' losses."""
+    assert run(looked_up, 3, rows, width, part_size) == [(True, True)] * 3
+
+
 def test_compiled_and_full_recompute_equal_eager(card):
     eager = run(sharded_training, 2, card, None, "gather", timeout=300)
     compiled = run(sharded_training, 2, card, "inductor", "gather", timeout=600)

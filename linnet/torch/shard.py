@@ -292,17 +292,17 @@ def _after(x: torch.Tensor, forward_deps: list, backward_deps: list) -> torch.Te
     return ops.after(x, forward_deps, backward_deps) if forward_deps or backward_deps else x
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """x, whose gradient is multiplied by `scale`."""
+class _DivideGradient(torch.autograd.Function):
+    """x, whose gradient is divided by `divisor` (as a reduce-scatter "avg" divides)."""
 
     @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
+    def forward(ctx, x, divisor):
+        ctx.divisor = divisor
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, gradient):
-        return gradient * ctx.scale, None
+        return gradient / ctx.divisor, None
 
 
 def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group: str, weight: str) -> torch.Tensor:
@@ -321,15 +321,14 @@ def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group:
     low, high = max(start, offset), min(start + layout.part_size, offset + rows * width)  # the table's elements here
     first = max(low - offset, 0) // width
     count = max(-(-(high - offset) // width) - first, 1) if high > low else 1
-    slab = torch.zeros(count * width, dtype=part.dtype, device=part.device)
-    if high > low:  # the part's elements of rows first .. first + count, zeros around them
-        left = low - offset - first * width
-        slab = torch.nn.functional.pad(part[low - start:high - start], (left, count * width - left - (high - low)))
+    # The part's elements of rows first .. first + count, zeros around them (all zeros where the part
+    # holds none of the table); its gradient is the sum over every rank's rows, divided as "avg" divides.
+    left, piece = (low - offset - first * width, part[low - start:high - start]) if high > low else (0, part[:0])
+    slab = _DivideGradient.apply(torch.nn.functional.pad(piece, (left, count * width - left - piece.numel())), world)
     everyone = wait(functional.all_gather_into_tensor(tokens.reshape(-1), world, sharding.group_name)).to(torch.int64)
     local = everyone - first
-    held = ((local >= 0) & (local < count))[:, None]  # (a part with none of the table has a slab of zeros)
-    found = slab.view(count, width)[local.clamp(0, count - 1)] * held  # (world x tokens, width), f32
-    found = _ScaleGradient.apply(found.to(sharding.compute_dtype), 1.0 / world)
+    held = ((local >= 0) & (local < count))[:, None]
+    found = (slab.view(count, width)[local.clamp(0, count - 1)] * held).to(sharding.compute_dtype)  # (world x tokens, width)
     mine = torch.ops._c10d_functional_autograd.reduce_scatter_tensor(found, "sum", world, sharding.group_name)
     return wait(mine).view(*tokens.shape, width)
 
