@@ -192,7 +192,7 @@ def main():
                 print("RESULT " + json.dumps(dict(
                     shape=a.shape, layout=name, documents=lay["documents"], candidate=cand, forward_ms=round(forward, 3),
                     forward_backward_ms=round(both, 3), rel_error=[f"{e:.1e}" for e in errors])), flush=True)
-            except Exception as e:  # a candidate this torch or GPU lacks: say so and go on
+            except Exception as e:  # noqa: BLE001  (a candidate this torch or GPU lacks: say so and go on)
                 print("RESULT " + json.dumps(dict(shape=a.shape, layout=name, candidate=cand,
                                                   error=f"{type(e).__name__}: {str(e)[:300]}")), flush=True)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import itertools
 import json
 
 
@@ -48,7 +49,7 @@ def main():
     es = streams[compute]
     others = [(e["ts"], e["ts"] + e["dur"]) for s, x in streams.items() if s != compute for e in x]
     gaps = []
-    for before, after in zip(es, es[1:]):
+    for before, after in itertools.pairwise(es):
         start, stop = before["ts"] + before["dur"], after["ts"]
         if stop > start:
             overlapped = busy([(max(s, start), min(t, stop)) for s, t in others if t > start and s < stop])

@@ -52,7 +52,6 @@ def emit(
     sharded = sharded or schedule is not None
     writer = _Writer(checked, backend, cast_dtype, sharded, schedule)
     prims = backend.prims[numerics]
-    used = [name for name in PRIMITIVES if any(name in _calls(f) for f in functions)]  # in the card's order
     mode = "unsharded"
     if sharded:
         mode = "sharded: gathers each group where it is first used"
@@ -73,9 +72,8 @@ def emit(
         "",
     ]
     written = [writer.function(function) for function in functions]
-    called = {n.func.id for f in written for n in ast.walk(ast.parse("\n".join(f)))
-              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    for name in (n for n in used if n in called):  # a looked-up table's rows need no `embedding`
+    called = set().union(*(_calls_in(ast.parse("\n".join(f))) for f in written))
+    for name in (n for n in PRIMITIVES if n in called):  # a looked-up table needs no `embedding`
         lines += ["", "", _primitive_source(prims[name], name)]
     for function in written:
         lines += ["", "", *function]
@@ -86,7 +84,7 @@ def _calls(function: FunctionDecl) -> set[str]:
     return set().union(*(_calls_in(s) for s in function.body))
 
 
-def _calls_in(statement: ast.stmt) -> set[str]:
+def _calls_in(statement: ast.AST) -> set[str]:
     return {n.func.id for n in ast.walk(statement) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
 
 

@@ -319,7 +319,7 @@ def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group:
     (rows, width), offset = layout.shapes[index], layout.offsets[index]
     start = rank * layout.part_size
     low, high = max(start, offset), min(start + layout.part_size, offset + rows * width)  # the table's elements here
-    first = max(low - offset, 0) // width
+    first = (low - offset) // width
     count = max(-(-(high - offset) // width) - first, 1) if high > low else 1
     # The part's elements of rows first .. first + count, zeros around them (all zeros where the part
     # holds none of the table); its gradient is the sum over every rank's rows, divided as "avg" divides.
