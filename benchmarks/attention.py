@@ -16,7 +16,7 @@ Candidates:
   varlen-flash            FlashAttention-2 over cu_seqlens (torch.nn.attention.varlen)
   varlen-cudnn            cuDNN over cu_seqlens (aten._cudnn_attention_forward); with key/value heads
                           repeated; with cu_seqlens padded by empty documents to a fixed length
-  flex-doc-start-flash    flex attention's FLASH backend (FlashAttention-4, the flash-attn-4 package)
+  flex-*-flash            flex attention's FLASH backend (FlashAttention-4, the flash-attn-4 package)
   varlen-fa4              FlashAttention-4 over cu_seqlens (flash_attn.cute.flash_attn_varlen_func)
 """
 
@@ -132,6 +132,8 @@ def candidates(lay: dict, heads: int, kv_heads: int):
     }
     if importlib.util.find_spec("flash_attn") is not None:
         found["varlen-fa4"] = varlen_fa4
+        found["flex-same-doc-flash"] = lambda q, k, v: flex(q, k, v, block_mask=same_mask, enable_gqa=True,
+                                                            kernel_options={"BACKEND": "FLASH"})
         found["flex-doc-start-flash"] = lambda q, k, v: flex(q, k, v, block_mask=start_mask, enable_gqa=True,
                                                              kernel_options={"BACKEND": "FLASH"})
     return found

@@ -6,13 +6,14 @@
 #
 #   here, once:   bash benchmarks/fa4.sh download          (.whl/fa4a and .whl/fa4b, git-ignored)
 #   call 1:       bash benchmarks/fa4.sh first             carry [".whl/fa4a"]
-#   call 2:       bash benchmarks/fa4.sh second 8b         carry [".whl/fa4b"]: installs, then times
-#                                                          attention.py's candidates, FA4 among them
+#   call 2:       bash benchmarks/fa4.sh second 8b 1b      carry [".whl/fa4b"]: installs into /tmp/site, then
+#                                                          times attention.py's candidates, FA4 among them
+#   later calls of the lease: export PYTHONPATH=/tmp/site
 set -euo pipefail
 case "${1:-}" in
   download)
     dir=$(mktemp -d)
-    for wheel in flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+    for wheel in flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
                  nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2,>=0.1.11" torch-c-dlpack-ext "quack-kernels>=0.5.3"; do
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
@@ -26,13 +27,16 @@ case "${1:-}" in
     du -sh .whl/fa4a .whl/fa4b ;;
   first)
     mkdir -p /tmp/fa4 && cp .whl/fa4a/* /tmp/fa4/ && ls /tmp/fa4 ;;
-  second)
+  second)  # then the shapes to time, if any: attention.py's FA4 candidates beside cuDNN's causal and flex's own
     cp .whl/fa4b/* /tmp/fa4/
     cat /tmp/fa4/cu13.part.* > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
     rm /tmp/fa4/cu13.part.*
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/fa4/*.whl
     export PYTHONPATH=/tmp/site NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
     python3 -c "import flash_attn.cute; print('flash_attn.cute', flash_attn.cute.__file__)"
-    python3 benchmarks/attention.py --shape "${2:-8b}" ;;
+    for shape in "${@:2}"; do
+      timeout 300 python3 benchmarks/attention.py --shape "$shape" \
+        --only sdpa-cudnn,flex-same-doc,flex-doc-start,flex-same-doc-flash,flex-doc-start-flash,varlen-fa4 || true
+    done ;;
   *) echo "usage: bash benchmarks/fa4.sh download|first|second [shape]"; exit 2 ;;
 esac

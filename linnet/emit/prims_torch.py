@@ -82,9 +82,17 @@ def attention_fast(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    import importlib.util
+    import os
+
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    # Flex attention's FlashAttention-4 kernel where the flash-attn-4 package is installed (16-bit
+    # inputs, Hopper or newer), else its own; LINNET_FLEX_BACKEND=TRITON keeps its own.
+    flash = (os.environ.get("LINNET_FLEX_BACKEND", "FLASH") == "FLASH" and q.dtype in (torch.bfloat16, torch.float16)
+             and torch.cuda.get_device_capability(q.device)[0] >= 9 and importlib.util.find_spec("flash_attn") is not None
+             and importlib.util.find_spec("flash_attn.cute") is not None)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options={"BACKEND": "FLASH"} if flash else None)
 
 
 def silu(x):
