@@ -8,14 +8,23 @@ import numpy as np
 from linnet.packing import Row
 
 
-def random_rows(seed: int, tokens: int, vocab: int):
-    """Endless rows of one document each: random tokens, every position but the last weighted."""
+def random_rows(seed: int, tokens: int, vocab: int, packed: bool = False):
+    """Endless rows of random tokens: one document each (what the peers' probes train on), or with
+    `packed` documents of the lengths chat fine-tuning packs (log-normal, mostly a few hundred
+    tokens, some long), as linnet.packing lays them out; every position but a document's last weighted."""
     rng = np.random.default_rng(seed)
     while True:
         ids = rng.integers(0, min(vocab, 32000), tokens, dtype=np.int32)
-        yield Row(tokens=ids, targets=np.roll(ids, -1), positions=np.arange(tokens, dtype=np.int32),
-                  segments=np.zeros(tokens, np.int32),
-                  weights=np.r_[np.ones(tokens - 1, np.float32), 0.0].astype(np.float32), filled=tokens)
+        lengths = [tokens]
+        if packed:
+            lengths = np.diff(np.unique(np.r_[0, np.cumsum(np.clip(rng.lognormal(6.0, 0.8, tokens // 16), 16, 3000).astype(int)), tokens].clip(0, tokens)))
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        segments = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+        weights = np.ones(tokens, np.float32)
+        weights[ends - 1] = 0.0
+        yield Row(tokens=ids, targets=np.roll(ids, -1), positions=(np.arange(tokens) - np.repeat(starts, lengths)).astype(np.int32),
+                  segments=segments, weights=weights, filled=tokens)
 
 
 def parameters(model) -> int:

@@ -8,7 +8,7 @@
 #   call 1:       bash benchmarks/fa4.sh first             carry [".whl/fa4a"]
 #   call 2:       bash benchmarks/fa4.sh second 8b 1b      carry [".whl/fa4b"]: installs into /tmp/site, then
 #                                                          times attention.py's candidates, FA4 among them
-#   later calls of the lease: export PYTHONPATH=/tmp/site
+#   later calls of the lease: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 set -euo pipefail
 case "${1:-}" in
   download)
@@ -32,7 +32,7 @@ case "${1:-}" in
     cat /tmp/fa4/cu13.part.* > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
     rm /tmp/fa4/cu13.part.*
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/fa4/*.whl
-    export PYTHONPATH=/tmp/site NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1  # the .pth a --target install skips
     python3 -c "import flash_attn.cute; print('flash_attn.cute', flash_attn.cute.__file__)"
     for shape in "${@:2}"; do
       timeout 300 python3 benchmarks/attention.py --shape "$shape" \

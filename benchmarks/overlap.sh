@@ -4,7 +4,7 @@
 #   bash benchmarks/overlap.sh build      build, CUDA tests of the simulated world and of the GPU path
 #   bash benchmarks/overlap.sh sim4       8B, one GPU's share of 4 ranks: Linnet and FSDP2, no time / 360 GB/s
 #   bash benchmarks/overlap.sh sim8       the same at 8 ranks
-#   bash benchmarks/overlap.sh world1     world size 1: Linnet beside the plain compiled ceiling, 1B and 3B
+#   bash benchmarks/overlap.sh world1 [1b 3b]  world size 1: Linnet beside the plain compiled ceiling
 #   bash benchmarks/overlap.sh variants   8B at 4 ranks and 360 GB/s: prefetch 2, and a bf16 reduction
 # Logs under $OUT; each run's RESULT and SIM lines are printed.
 set -uo pipefail
@@ -40,7 +40,8 @@ case "${1:-}" in
     sim 4 360 linnet-8b-w4-360-prefetch2 benchmarks/step.py --card llama-3.1-8b --steps 8 --prefetch 2
     sim 4 360 linnet-8b-w4-360-bf16 benchmarks/step.py --card llama-3.1-8b --steps 8 --reduce-dtype bf16 ;;
   world1)
-    for shape in 1b 3b; do
+    shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 3b)
+    for shape in "${shapes[@]}"; do
       run "linnet-$shape" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --steps 20
       run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 20
     done ;;

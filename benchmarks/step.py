@@ -28,6 +28,8 @@ parser.add_argument("--recompute", default="gather", choices=["gather", "full"])
 parser.add_argument("--prefetch", type=int, default=1, help="layers whose gathers run ahead (fully_shard's prefetch)")
 parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
+parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
+                    "of one each: attention under the document mask rather than causal attention")
 parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (torch.profiler): FOLDER/trace.json.gz "
                     "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
 args = parser.parse_args()
@@ -40,7 +42,7 @@ start = time.perf_counter()
 model = nest.load(args.card, backend="torch", device=device, numerics="fast",
                   compile=None if args.no_compile else "inductor",
                   generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"},
-                  cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
+                  cast_dtype=True, trainable=True, weights="random")  # every entry: train takes `loss` for one-document rows
 fully_shard(model, recompute=args.recompute, prefetch=args.prefetch,
             reduce_dtype=torch.float32 if args.reduce_dtype == "f32" else torch.bfloat16)
 torch.cuda.synchronize()
@@ -61,7 +63,7 @@ def on_step(s):
         profiler.step()
 
 
-history = train(model, random_rows(rank, args.tokens, model.checked.dims["Vocab"]), optimizer=optimizer, steps=args.steps,
+history = train(model, random_rows(rank, args.tokens, model.checked.dims["Vocab"], args.packed), optimizer=optimizer, steps=args.steps,
                 on_step=on_step)
 if profiler is not None:
     profiler.stop()
@@ -71,7 +73,7 @@ if profiler is not None:
         print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
-result = dict(card=args.card, world=world, recompute=args.recompute, prefetch=args.prefetch,
+result = dict(card=args.card, world=world, packed=args.packed, recompute=args.recompute, prefetch=args.prefetch,
               reduce_dtype=args.reduce_dtype, compiled=not args.no_compile,
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),

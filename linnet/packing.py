@@ -63,6 +63,11 @@ class Row:
     weights: np.ndarray  # float32
     filled: int  # positions that hold documents; the rest is padding
 
+    def is_one_document(self) -> bool:
+        """Whether one document fills the row from its first position: then its packed loss is the
+        plain causal loss (no document mask, positions from 0)."""
+        return bool((self.segments == self.segments[0]).all() and (self.positions == np.arange(len(self.positions))).all())
+
     def check_ids(self, vocab: int, where: str) -> None:
         """Raises if a token or target is not an id of a vocabulary of `vocab` (an embedding would
         read past its table: an error on one device, NaN or garbage on another)."""

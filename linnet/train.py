@@ -50,6 +50,16 @@ def _row_tensors(row: Row, device) -> list[torch.Tensor]:
     return [torch.from_numpy(f)[None].to(device, non_blocking=True) for f in fields]
 
 
+def _loss(model, row: Row, device, causal: bool) -> torch.Tensor:
+    """The row's mean loss; `causal` (a row that one document fills, on every rank: a sharded entry is
+    collective) takes the plain causal `loss` entry where the model has it, whose fused attention
+    (cuDNN's on Hopper) is faster than attention under a document mask."""
+    tokens, targets, positions, segments, weights = _row_tensors(row, device)
+    if causal and "loss" in model.entries:
+        return model.loss(tokens, targets, weights)
+    return model.loss_packed(tokens, targets, positions, segments, weights)
+
+
 def _all_reduce(values: list[float], device, op=None) -> list[float]:
     """values summed (or reduced by op) over the ranks; f64 where the backend has it (Gloo)."""
     tensor = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
@@ -112,14 +122,14 @@ def train(
         local_weight = float(row.weights.sum()) if row is not None else 0.0
         problem = None if row is None else _problem(lambda: row.check_ids(model.checked.dims["Vocab"], f"step {step}"))
         # Every forward of a sharded model is collective: all ranks step, or all stop together.
-        total_weight, ranks_with_a_row, ranks_with_problems = _all_reduce(
-            [local_weight, float(row is not None), float(problem is not None)], device)
+        one_document = row is not None and row.is_one_document()
+        total_weight, ranks_with_a_row, ranks_with_problems, ranks_one_document = _all_reduce(
+            [local_weight, float(row is not None), float(problem is not None), float(one_document)], device)
         if ranks_with_a_row < world:
             raise ValueError(f"{world - int(ranks_with_a_row)} of {world} ranks ran out of rows at step {step} "
                              f"of {steps}: give every rank at least {steps} rows")
         raise_together(problem, ranks_with_problems)
-        inputs = _row_tensors(row, device)
-        loss = model.loss_packed(*inputs)
+        loss = _loss(model, row, device, causal=ranks_one_document == world)
         # scaled so that the gradients averaged over ranks are those of the global weighted mean
         (loss * (world * local_weight / max(total_weight, 1e-12))).backward()
         optimizer.step()
@@ -149,14 +159,17 @@ def evaluate(model, batches: Iterable[Row]) -> float:
     problem = None if rows else "evaluate got no rows on this rank: give every rank at least one"
     for index, row in enumerate(rows):
         problem = problem or _problem(lambda: row.check_ids(model.checked.dims["Vocab"], f"evaluate, row {index}"))
-    most, ranks_with_problems = _all_reduce([float(len(rows)), float(problem is not None)], device, dist.ReduceOp.MAX)
+    # The causal entry only where every row of every rank is one document: the ranks call one entry a row.
+    packed = any(not row.is_one_document() for row in rows)
+    most, ranks_with_problems, any_packed = _all_reduce([float(len(rows)), float(problem is not None), float(packed)],
+                                                        device, dist.ReduceOp.MAX)
     raise_together(problem, ranks_with_problems)
     blank = rows[0]
     rows += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (int(most) - len(rows))
     loss_sum = weight_sum = 0.0
     for row in rows:
         weight = float(row.weights.sum())
-        loss_sum += float(model.loss_packed(*_row_tensors(row, device))) * weight
+        loss_sum += float(_loss(model, row, device, causal=not any_packed)) * weight
         weight_sum += weight
     loss_sum, weight_sum = _all_reduce([loss_sum, weight_sum], device)
     if weight_sum == 0:

@@ -79,20 +79,18 @@ def attention_fast(q, k, v, mask):
     # None is plain causal attention, which fused kernels do without a mask; a
     # dense mask goes to SDPA; a block mask (documents, on CUDA) to flex attention.
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        # cuDNN's kernel first where it runs: on Hopper it takes 0.55x the time of FlashAttention-2's,
+        # which SDPA would choose (benchmarks/NOTES.md).
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                          SDPBackend.MATH], set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    import importlib.util
-    import os
-
     from torch.nn.attention.flex_attention import flex_attention
 
-    # Flex attention's FlashAttention-4 kernel where the flash-attn-4 package is installed (16-bit
-    # inputs, Hopper or newer), else its own; LINNET_FLEX_BACKEND=TRITON keeps its own.
-    flash = (os.environ.get("LINNET_FLEX_BACKEND", "FLASH") == "FLASH" and q.dtype in (torch.bfloat16, torch.float16)
-             and torch.cuda.get_device_capability(q.device)[0] >= 9 and importlib.util.find_spec("flash_attn") is not None
-             and importlib.util.find_spec("flash_attn.cute") is not None)
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options={"BACKEND": "FLASH"} if flash else None)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
 
 
 def silu(x):
