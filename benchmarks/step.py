@@ -24,7 +24,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--card", default="llama-3.2-1b")
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--tokens", type=int, default=4096)
-parser.add_argument("--recompute", default="gather", choices=["gather", "full"])
+parser.add_argument("--recompute", default="gather", choices=["gather", "matmuls", "full"])
 parser.add_argument("--prefetch", type=int, default=1, help="layers whose gathers run ahead (fully_shard's prefetch)")
 parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")

@@ -176,10 +176,54 @@ def test_compiled_and_full_recompute_equal_eager(card):
     eager = run(sharded_training, 2, card, None, "gather", timeout=300)
     compiled = run(sharded_training, 2, card, "inductor", "gather", timeout=600)
     full = run(sharded_training, 2, card, None, "full", timeout=300)
-    for other in (compiled, full):
+    matmuls = run(sharded_training, 2, card, None, "matmuls", timeout=300)
+    matmuls_compiled = run(sharded_training, 2, card, "inductor", "matmuls", timeout=600)
+    for other in (compiled, full, matmuls, matmuls_compiled):
         np.testing.assert_allclose(other[0][0], eager[0][0], rtol=1e-5)
         for name, tensor in other[0][1].items():
             assert relative_error(tensor, eager[0][1][name]) < 1e-5, name
+
+
+def products_policy_decisions(rank: int, world: int, card, recompute: str) -> tuple[dict, set]:
+    """What the "matmuls" policy decided for each op of one step's forward, and the ops its backward ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linnet.torch import fully_shard, shard
+
+    decisions, backward_ops = {}, set()
+    policy = shard._products_policy
+
+    def recording(world, ctx, func, *args, **kwargs):
+        decision = policy(world, ctx, func, *args, **kwargs)
+        decisions.setdefault(str(func), set()).add(decision.name)
+        return decision
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            backward_ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    shard._products_policy = recording
+    model = fully_shard(load(card), recompute=recompute)
+    data = rows(world)[rank]
+    loss = model.loss_packed(*[torch.from_numpy(getattr(data, f))[None] for f in FIELDS])
+    with Seen():
+        loss.backward()
+    return decisions, backward_ops
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_matmuls_policy_keeps_products_and_recomputes_the_rest(card, world):
+    forward, backward_ops = run(products_policy_decisions, world, card, "matmuls", timeout=300)[0]
+    for product in ("aten.mm.default", "aten.bmm.default"):  # the projections; exact attention's two products
+        assert forward[product] == {"MUST_SAVE"}, product
+    for pointwise in ("aten.mul.Tensor", "aten.rsqrt.default", "aten.silu.default", "aten._softmax.default"):
+        assert forward[pointwise] == {"PREFER_RECOMPUTE"}, pointwise
+    gather = "linnet.all_gather.default"
+    assert forward[gather] == ({"MUST_SAVE"} if world == 1 else {"PREFER_RECOMPUTE"})  # one rank's gather is a cast
+    assert {"aten.silu.default", "aten.rsqrt.default"} <= backward_ops  # the backward ran the pointwise work again
+    _, kept_all = run(products_policy_decisions, world, card, "gather", timeout=300)[0]
+    assert not {"aten.silu.default", "aten.rsqrt.default"} & kept_all  # which "gather" keeps
 
 
 def schedules(rank: int, world: int, card, configurations: list) -> list:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from linnet import agree
+from linnet import agree, watchdog
 from linnet.emit.schedule import Schedule
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
@@ -81,24 +81,29 @@ class Sharding:
 
 
 def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, recompute: str = "gather",
-                prefetch: int = 1, reduce_dtype: torch.dtype = torch.float32) -> TorchModel:
+                prefetch: int = 1, reduce_dtype: torch.dtype = torch.float32, stall_timeout: float | None = None) -> TorchModel:
     """Shards `model` in place over `group` (default: the default process group) and returns it.
 
     recompute: "gather" keeps each layer's activations and gathers its weights
-    again in the backward; "full" recomputes each layer in the backward, keeping
-    only its input.
+    again in the backward; "matmuls" keeps only the outputs of its matrix
+    products and attention, and recomputes the pointwise work between them
+    (norms, rotations, activations) and the gathers; "full" recomputes each
+    layer in the backward, keeping only its input.
     prefetch: how many layers' gathers run ahead of the layer computing (0: each
     gather is launched where it is waited for).
     reduce_dtype: the dtype gradients are reduce-scattered in: float32 (as
     FSDP2's default), or bfloat16 for half the bytes. Either way the parts'
     gradients are f32, and they are the gradient of the mean of the ranks'
     losses (as DDP and FSDP2 give).
+    stall_timeout: seconds after which the other ranks end the run, naming it,
+    when a rank stops answering (linnet/watchdog.py; default LINNET_STALL_TIMEOUT
+    or 300; 0: never).
     """
     match recompute:
-        case "gather" | "full":
+        case "gather" | "matmuls" | "full":
             pass
         case _:
-            raise ValueError(f'recompute must be "gather" or "full", got {recompute!r}')
+            raise ValueError(f'recompute must be "gather", "matmuls" or "full", got {recompute!r}')
     if reduce_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"reduce_dtype must be torch.float32 or torch.bfloat16, got {reduce_dtype}")
     if not isinstance(model, TorchModel):
@@ -113,6 +118,7 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, re
     schedule = Schedule(prefetch, communicates=world > 1)
     _check_device(model, group)
     agree.cpu_group(group)  # where the ranks agree on each call's inputs (made here, where every rank is)
+    watchdog.watch(group, stall_timeout)
     checked = model.checked
     layouts = {}
     for decl in checked.program.groups.values():
@@ -366,6 +372,23 @@ def _one_rank_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_SAVE
 
 
+# What "matmuls" keeps: the products and attention, whose recomputation would cost as much again.
+_PRODUCTS = frozenset({
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,
+})
+
+
+def _products_policy(world: int, ctx, func, *args, **kwargs):
+    """Keep the products and attention; recompute the rest, the gathers among it (on one rank a gather
+    is a cast, kept as the one-rank policy keeps it)."""
+    if func in _PRODUCTS or (func in ops.collective_overloads() and world == 1):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _recompute_all(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -373,5 +396,8 @@ def _recompute_all(ctx, func, *args, **kwargs):
 def _checkpointed(recompute: str, world: int, function, *args):
     if recompute == "full":
         return checkpoint(function, *args, use_reentrant=False)
-    policy = _gather_policy if world > 1 else _one_rank_policy
+    if recompute == "matmuls":
+        policy = partial(_products_policy, world)
+    else:
+        policy = _gather_policy if world > 1 else _one_rank_policy
     return checkpoint(function, *args, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
