@@ -2,9 +2,10 @@
 
     torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --kill-rank 1 --at 3
     torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --bad-shape-rank 1 --at 2
+    torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --stop-rank 1 --at 3
 
 Trains the tiny card sharded over Gloo, in linnet's `train` (--kill-rank: that
-rank SIGKILLs itself after step --at) or in a user's own loop (--bad-shape-rank:
+rank SIGKILLs itself after step --at; --stop-rank: SIGSTOPs itself) or in a user's own loop (--bad-shape-rank:
 that rank passes a row one position longer than MaxSeq at step --at). Before
 dying, the rank writes the time (time.time()) to OUT/killed_at; every rank that
 raises writes OUT/error-RANK with the exception's type and message, then raises."""
@@ -31,6 +32,7 @@ parser.add_argument("out", type=Path)
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--kill-rank", type=int)
+parser.add_argument("--stop-rank", type=int)
 parser.add_argument("--bad-shape-rank", type=int)
 args = parser.parse_args()
 args.out.mkdir(parents=True, exist_ok=True)
@@ -47,9 +49,9 @@ optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-3)
 
 
 def die(step) -> None:
-    if rank == args.kill_rank and step.step == args.at:
+    if step.step == args.at and rank in (args.kill_rank, args.stop_rank):
         (args.out / "killed_at").write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL if rank == args.kill_rank else signal.SIGSTOP)
 
 
 def tensors(row, extra: int = 0) -> list[torch.Tensor]:
@@ -70,7 +72,7 @@ def users_loop() -> None:
 
 
 try:
-    if args.kill_rank is not None:
+    if args.kill_rank is not None or args.stop_rank is not None:
         train(model, iter(rows), optimizer=optimizer, steps=args.steps, on_step=die)
     else:
         users_loop()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from distributed import run
 
@@ -22,11 +23,11 @@ DRIVER = Path(__file__).parent / "rank_loss_driver.py"
 ROW = 64
 
 
-def torchrun(out: Path, *extra: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+def torchrun(out: Path, *extra: str, timeout: float, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     """The driver under torchrun at world 2, as users start it; returns the run and when it ended (time.time())."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DRIVER), str(out),
                *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout, env=env)
     return result, time.time()
 
@@ -40,6 +41,30 @@ def test_a_killed_rank_ends_the_run_within_a_minute_naming_it(tmp_path):
     assert ended - killed_at < 60, f"the run outlived rank 1 by {ended - killed_at:.0f} s"
     summary = re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9 .*\(SIGKILL\)", result.stderr)
     assert summary, result.stderr[-3000:]
+
+
+def test_a_stopped_rank_ends_the_run_within_the_stall_timeout_naming_it(tmp_path):
+    """A SIGSTOPped rank keeps its sockets open: without linnet's watchdog the other waits in its
+    next collective for Gloo's thirty minutes. With LINNET_STALL_TIMEOUT=4 the other rank names it
+    and exits; torchrun then takes the stopped one down (SIGKILL reaches a stopped process)."""
+    result, ended = torchrun(tmp_path, "--stop-rank", "1", "--at", "3", timeout=120, env={"LINNET_STALL_TIMEOUT": "4"})
+    stopped_at = float((tmp_path / "killed_at").read_text())
+    assert result.returncode != 0
+    assert ended - stopped_at < 60, f"the run outlived rank 1 by {ended - stopped_at:.0f} s"
+    assert re.search(r"linnet: rank 1 of 2 has not answered for 4 s", result.stderr), result.stderr[-3000:]
+
+
+def test_the_stall_timeout_is_read_from_the_environment(monkeypatch):
+    from linnet.watchdog import DEFAULT_TIMEOUT, stall_timeout
+
+    monkeypatch.delenv("LINNET_STALL_TIMEOUT", raising=False)
+    assert stall_timeout() == DEFAULT_TIMEOUT
+    assert stall_timeout(7) == 7
+    monkeypatch.setenv("LINNET_STALL_TIMEOUT", "0")
+    assert stall_timeout() == 0
+    monkeypatch.setenv("LINNET_STALL_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="LINNET_STALL_TIMEOUT must be a number of seconds"):
+        stall_timeout()
 
 
 STAY = 8.0  # seconds the failing rank stays alive after its errors, in no collective

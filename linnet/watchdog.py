@@ -1,0 +1,104 @@
+"""A rank that stops (SIGSTOP, a frozen host, a paused container) does not close its sockets, so
+the other ranks wait in their next collective until the process group's timeout (NCCL's ten
+minutes, Gloo's thirty), and the error that ends them names an operation, not the rank. This
+watchdog names it, sooner: from `fully_shard` on, a thread of each rank counts a heartbeat into the
+process group's store every few seconds and reads the others'. When a rank's count has not moved
+for `timeout` seconds, every rank that sees it prints which ranks stopped and exits, and torchrun
+ends the run.
+
+The heartbeat runs on its own thread, so a rank that computes, compiles or writes for a long time is
+not taken for a stopped one; counts, not clocks, cross hosts, so their clocks need not agree. A rank
+that leaves the process group (or exits) says so first, and is not waited for.
+
+    LINNET_STALL_TIMEOUT=600 torchrun ...    # seconds (default 300); 0 turns the watchdog off
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = 300.0
+DONE = "done"
+
+_watching: dict[str, threading.Thread] = {}  # group name -> its watchdog
+
+
+def stall_timeout(timeout: float | None = None) -> float:
+    """`timeout` if given, else LINNET_STALL_TIMEOUT, else the default; 0 is off."""
+    if timeout is None:
+        raw = os.environ.get("LINNET_STALL_TIMEOUT", str(DEFAULT_TIMEOUT))
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"LINNET_STALL_TIMEOUT must be a number of seconds (0: off), got {raw!r}") from None
+    if timeout < 0:
+        raise ValueError(f"the stall timeout must be 0 (off) or a number of seconds, got {timeout}")
+    return timeout
+
+
+def watch(group: dist.ProcessGroup, timeout: float | None = None) -> None:
+    """Starts the watchdog of `group` on this rank (once a group; every rank of it should)."""
+    timeout = stall_timeout(timeout)
+    if timeout == 0 or dist.get_world_size(group) == 1 or group.group_name in _watching:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    thread = threading.Thread(target=_Watchdog(dist.distributed_c10d._get_default_store(), group.group_name, ranks,
+                                               dist.get_rank(), timeout).run,
+                              name=f"linnet-watchdog-{group.group_name}", daemon=True)
+    _watching[group.group_name] = thread
+    thread.start()
+
+
+class _Watchdog:
+    def __init__(self, store, group_name: str, ranks: list[int], rank: int, timeout: float):
+        self.store, self.ranks, self.rank, self.timeout = store, ranks, rank, timeout
+        self.key = lambda r: f"linnet/heartbeat/{group_name}/{r}"
+        self.interval = min(max(timeout / 4, 0.2), 5.0)
+        self.beats = 0
+        self.store.set(self.key(rank), "0")
+        atexit.register(self._leave)
+
+    def _leave(self) -> None:
+        try:
+            self.store.set(self.key(self.rank), DONE)
+        except Exception:  # noqa: BLE001  (the store may be gone already: nothing left to tell)
+            pass
+
+    def run(self) -> None:
+        peers = [r for r in self.ranks if r != self.rank]
+        seen = {r: (None, time.monotonic()) for r in peers}  # rank -> (last count, when it last moved)
+        while True:
+            time.sleep(self.interval)
+            if not dist.is_initialized():  # this rank left the process group: it is done
+                self._leave()
+                return
+            try:
+                self.beats += 1
+                self.store.set(self.key(self.rank), str(self.beats))
+                counts = {r: self.store.get(self.key(r)).decode() if self.store.check([self.key(r)]) else None
+                          for r in peers}
+            except Exception:  # noqa: BLE001  (the store went away: the run is ending anyway)
+                return
+            now = time.monotonic()
+            for r, count in counts.items():
+                if count == DONE:
+                    seen.pop(r, None)
+                elif r in seen and count != seen[r][0]:
+                    seen[r] = (count, now)
+            stopped = sorted(r for r, (_, moved) in seen.items() if now - moved > self.timeout)
+            if stopped:
+                self._end(stopped)
+
+    def _end(self, stopped: list[int]) -> None:
+        names = ", ".join(map(str, stopped))
+        print(f"linnet: rank {names} of {len(self.ranks)} has not answered for {self.timeout:.0f} s (stopped, frozen, "
+              f"or its host is unreachable); rank {self.rank} ends here rather than wait in a collective for it. "
+              "LINNET_STALL_TIMEOUT (seconds, 0: off) sets how long to wait.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # the main thread waits in a collective that will not return: nothing else can end it
