@@ -29,6 +29,7 @@ and a gather launched outside it would be kept, as its argument, until then."""
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +46,18 @@ from linnet.torch.model import TorchModel
 from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, group_specs
 
 ALIGN = 16  # elements: each tensor of a group starts on a 64-byte boundary in f32
+
+
+class _ContextFnWarning(logging.Filter):
+    """torch.compile warns, once a process, that a checkpoint given a context_fn must hold no
+    in-place ops. The generated code is functional, so it would only tell a user of Linnet
+    something about Linnet's own code that is true: it is dropped, and only it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_ContextFnWarning())
 
 
 @dataclass(frozen=True)
