@@ -499,3 +499,26 @@ def test_a_compiled_sharded_step_prints_no_context_fn_warning():
 
     assert "context_fn" not in stderr("filtered")
     assert "context_fn is passed to torch.utils.checkpoint" in stderr("unfiltered")
+
+
+def region_training(rank: int, world: int, card, recompute: str):
+    from linnet.torch import fully_shard
+    from linnet.torch.shard import gathered_weights
+    from linnet.train import train
+
+    model = fully_shard(load(card, compile="inductor"), recompute=recompute)
+    assert model.layer_region and "@torch.compiler.nested_compile_region\ndef decoder_layer(" in model.source
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
+    history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
+    return [s.loss for s in history.steps], {name: t.numpy() for name, t in gathered_weights(model, torch.float32)}
+
+
+@pytest.mark.parametrize("world, recompute", [(1, "gather"), (2, "gather")])
+def test_a_layer_compiled_once_trains_as_single_process(card, world, recompute, monkeypatch):
+    """LINNET_COMPILE_LAYERS_ONCE=1 (experimental): the layer's function is one nested compile region."""
+    monkeypatch.setenv("LINNET_COMPILE_LAYERS_ONCE", "1")
+    expected_losses, expected_weights = reference(card, world)
+    for losses, weights in run(region_training, world, card, recompute, timeout=600):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        for name, tensor in weights.items():
+            assert relative_error(tensor, expected_weights[name].numpy()) < 1e-5, name

@@ -45,12 +45,15 @@ def emit(
     entries: list[str] | None = None,
     sharded: bool = False,
     schedule: Schedule | None = None,
+    layer_region: bool = False,
 ) -> str:
+    """layer_region: a function that a layer loop calls is compiled once for every layer
+    (`@torch.compiler.nested_compile_region`, PyTorch only)."""
     program = checked.program
     chosen = entries if entries is not None else program.entries
     functions = _needed_functions(checked, chosen)
     sharded = sharded or schedule is not None
-    writer = _Writer(checked, backend, cast_dtype, sharded, schedule)
+    writer = _Writer(checked, backend, cast_dtype, sharded, schedule, layer_region and backend.name == "torch")
     prims = backend.prims[numerics]
     mode = "unsharded"
     if sharded:
@@ -126,14 +129,22 @@ def _type_comment(value) -> str:
 
 
 class _Writer:
-    def __init__(self, checked: Checked, backend: Backend, cast_dtype: bool, sharded: bool, schedule: Schedule | None):
+    def __init__(self, checked: Checked, backend: Backend, cast_dtype: bool, sharded: bool, schedule: Schedule | None,
+                 layer_region: bool = False):
         self.checked, self.program = checked, checked.program
         self.backend, self.cast_dtype, self.sharded, self.schedule = backend, cast_dtype, sharded, schedule
+        self.regions = self._layer_functions() if layer_region else set()
         self.takes_params = self._takes_params()
         self.shared = self._shared_groups() if schedule is not None else {}
         communicates = schedule is not None and schedule.communicates
         self.looked_up = self._tables_only() if communicates else {}
         self.then = self._read_after_loops() if communicates and schedule.prefetch > 0 else {}
+
+    def _layer_functions(self) -> set[str]:
+        """The functions a layer loop calls: `layer` in `for w in Layers: x = layer(x, w, ...)`."""
+        loops = (n for f in self.program.functions.values() for s in f.body for n in ast.walk(s) if isinstance(n, ast.For))
+        return {s.value.func.id for loop in loops for s in loop.body
+                if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)}
 
     def _singletons_read(self, function: FunctionDecl) -> list[GroupDecl]:
         found = []
@@ -246,6 +257,8 @@ class _Writer:
     def function(self, function: FunctionDecl) -> list[str]:
         params = (["params"] if function.name in self.takes_params else []) + [p.name for p in function.params]
         lines = [f"def {function.name}({', '.join(params)}):"]
+        if function.name in self.regions:  # traced and compiled once, called for every layer
+            lines.insert(0, "@torch.compiler.nested_compile_region")
         if function.name in self.program.entries:
             reached = {g.name for f in _needed_functions(self.checked, [function.name]) for g in self._singletons_read(f)}
             for group in (g for g in self.shared.values() if g.name in reached):

@@ -5,6 +5,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ class TorchModel(LoadedModel):
         if device.type == "cuda" and device.index is None:  # "cuda" means the current device, by its index
             device = torch.device("cuda", torch.cuda.current_device())
         self.trainable, self.compile_mode, self.device = trainable, compile, device
+        # Experimental, until measured on a GPU (benchmarks/NOTES.md): compile a layer's function once
+        # for every layer rather than unroll the layers, for a first step that compiles sooner.
+        self.layer_region = compile == "inductor" and os.environ.get("LINNET_COMPILE_LAYERS_ONCE") == "1"
         self.sharding = None  # set by linnet.torch.fully_shard
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
@@ -32,8 +36,10 @@ class TorchModel(LoadedModel):
         if self.compile_mode == "inductor":
             # Communicating, the generated code's order is the schedule (linnet/emit/schedule.py): inductor's
             # reordering for peak memory would move collectives' waits next to their launches.
+            # With a layer compiled once, the pass also reorders the region's calls and reads saved
+            # activations after their buffers are reused (wrong gradients; benchmarks/NOTES.md).
             communicates = self.sharding is not None and self.sharding.world > 1
-            options = {"reorder_for_peak_memory": False} if communicates else {}
+            options = {"reorder_for_peak_memory": False} if communicates or self.layer_region else {}
             return torch.compile(function, fullgraph=True, backend="inductor", options=options)
         return function
 
