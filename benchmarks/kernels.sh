@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The measurements of the issue on kernels still owed (benchmarks/NOTES.md, "Next"), in stages that
+# each fit a device call (build first: bash benchmarks/overlap.sh build):
+#   bash benchmarks/kernels.sh world1-8b   8B at world size 1: recompute "full" and "matmuls", beside the
+#                                          ceiling with activation checkpointing (also the issue on overlap)
+#   bash benchmarks/kernels.sh once        a layer compiled once (LINNET_COMPILE_LAYERS_ONCE=1) against the
+#                                          unrolled function, caches off: first step and step, 1B world 1, 8B sim 4
+# Logs under $OUT; each run's RESULT line is printed.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+run() {  # name, then the command; keeps going when one fails
+  local name=$1; shift
+  echo "== $name"; timeout 420 "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"
+  grep -E "^RESULT|Error|error:" "$OUT/$name.log" | cut -c1-600 | tail -3
+}
+case "${1:-}" in
+  world1-8b)
+    for recompute in full matmuls; do
+      run "linnet-8b-$recompute" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.1-8b --recompute $recompute --steps 12
+    done
+    run ceiling-8b-ac python3 benchmarks/peers/plain_ceiling.py --shape 8b --ac --steps 12 ;;
+  once)
+    export TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
+    for once in 0 1; do
+      run "linnet-1b-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-1b --steps 12
+      run "linnet-8b-w4-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 \
+        python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
+    done ;;
+  *) echo "usage: bash benchmarks/kernels.sh world1-8b|once"; exit 2 ;;
+esac
