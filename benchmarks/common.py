@@ -27,6 +27,21 @@ def random_rows(seed: int, tokens: int, vocab: int, packed: bool = False):
                   segments=segments, weights=weights, filled=tokens)
 
 
+FIELDS = ("tokens", "targets", "positions", "segments", "weights")
+
+
+def save_rows(path, rows: list) -> None:
+    """Rows as one .npz of (N, S) arrays, a field each (what every system of the table reads)."""
+    np.savez(path, **{f: np.stack([getattr(row, f) for row in rows]) for f in FIELDS})
+
+
+def load_rows(path, rank: int = 0, world: int = 1) -> list:
+    """Rank `rank`'s rows of a .npz that save_rows wrote: rows rank, rank + world, ..."""
+    with np.load(path) as arrays:
+        fields = {f: arrays[f][rank::world] for f in FIELDS}
+    return [Row(**{f: fields[f][i] for f in FIELDS}, filled=len(fields["tokens"][i])) for i in range(len(fields["tokens"]))]
+
+
 def parameters(model) -> int:
     return sum(math.prod(s.shape) for s in model.specs())
 

@@ -14,11 +14,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import flops_per_token, parameters, random_rows
+from common import flops_per_token, load_rows, parameters, random_rows
 
 from linnet import nest
 from linnet.torch import fully_shard
-from linnet.train import train
+from linnet.train import evaluate, train
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--card", default="llama-3.2-1b")
@@ -30,6 +30,11 @@ parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
 parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
                     "of one each: attention under the document mask rather than causal attention")
+parser.add_argument("--init", help="start from this Hugging Face checkpoint folder (benchmarks/shared_start.py) "
+                    "instead of random weights")
+parser.add_argument("--rows", help="train on this .npz of rows (shared_start.py; rank r takes rows r, r + W, ...) "
+                    "instead of random ones")
+parser.add_argument("--held-out", help="report the held-out loss over this .npz of rows before and after training")
 parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (torch.profiler): FOLDER/trace.json.gz "
                     "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
 args = parser.parse_args()
@@ -42,7 +47,7 @@ start = time.perf_counter()
 model = nest.load(args.card, backend="torch", device=device, numerics="fast",
                   compile=None if args.no_compile else "inductor",
                   generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"},
-                  cast_dtype=True, trainable=True, weights="random")  # every entry: train takes `loss` for one-document rows
+                  cast_dtype=True, trainable=True, weights=args.init or "random")  # every entry: train takes `loss` for one-document rows
 fully_shard(model, recompute=args.recompute, prefetch=args.prefetch,
             reduce_dtype=torch.float32 if args.reduce_dtype == "f32" else torch.bfloat16)
 torch.cuda.synchronize()
@@ -63,7 +68,10 @@ def on_step(s):
         profiler.step()
 
 
-history = train(model, random_rows(rank, args.tokens, model.checked.dims["Vocab"], args.packed), optimizer=optimizer, steps=args.steps,
+held_out = load_rows(args.held_out, rank, world) if args.held_out else None
+loss_start = evaluate(model, held_out) if held_out else None
+rows = load_rows(args.rows, rank, world) if args.rows else random_rows(rank, args.tokens, model.checked.dims["Vocab"], args.packed)
+history = train(model, iter(rows), optimizer=optimizer, steps=args.steps,
                 on_step=on_step)
 if profiler is not None:
     profiler.stop()
@@ -71,6 +79,7 @@ if profiler is not None:
         os.makedirs(args.profile, exist_ok=True)
         profiler.export_chrome_trace(os.path.join(args.profile, "trace.json.gz"))
         print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
+loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
 result = dict(card=args.card, world=world, packed=args.packed, recompute=args.recompute, prefetch=args.prefetch,
@@ -79,7 +88,8 @@ result = dict(card=args.card, world=world, packed=args.packed, recompute=args.re
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
               first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]], setup_s=round(time.perf_counter() - start, 1),
-              load_s=round(load_s, 1), load_peak_gib=round(load_peak / 2**30, 2))
+              load_s=round(load_s, 1), load_peak_gib=round(load_peak / 2**30, 2),
+              losses=[round(s.loss, 4) for s in history.steps], loss_start=loss_start, loss_end=loss_end)
 if rank == 0:
     print("RESULT " + json.dumps(result), flush=True)
 dist.destroy_process_group()
