@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The measurements of the issue on kernels still owed (benchmarks/NOTES.md, "Next"), in stages that
 # each fit a device call (build first: bash benchmarks/overlap.sh build):
-#   bash benchmarks/kernels.sh world1-8b   8B at world size 1: recompute "full" and "matmuls", beside the
+#   bash benchmarks/kernels.sh build       the extension alone
+#   bash benchmarks/kernels.sh world1-8b [full matmuls]   8B at world size 1 under those recompute policies, beside the
 #                                          ceiling with activation checkpointing (also the issue on overlap)
 #   bash benchmarks/kernels.sh once        a layer compiled once (LINNET_COMPILE_LAYERS_ONCE=1) against the
 #                                          unrolled function, caches off: first step and step, 1B world 1, 8B sim 4
@@ -15,8 +16,12 @@ run() {  # name, then the command; keeps going when one fails
   grep -E "^RESULT|Error|error:" "$OUT/$name.log" | cut -c1-600 | tail -3
 }
 case "${1:-}" in
-  world1-8b)
-    for recompute in full matmuls; do
+  build)  # the extension alone (overlap.sh build also runs the GPU tests)
+    CC=/usr/bin/gcc CXX=/usr/bin/g++ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+      || { tail -50 "$OUT/build.log"; exit 1; } ;;
+  world1-8b)  # then the recompute policies, default both
+    policies=("${@:2}"); [ ${#policies[@]} -gt 0 ] || policies=(full matmuls)
+    for recompute in "${policies[@]}"; do
       run "linnet-8b-$recompute" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.1-8b --recompute $recompute --steps 12
     done
     run ceiling-8b-ac python3 benchmarks/peers/plain_ceiling.py --shape 8b --ac --steps 12 ;;
@@ -27,5 +32,5 @@ case "${1:-}" in
       run "linnet-8b-w4-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 \
         python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
     done ;;
-  *) echo "usage: bash benchmarks/kernels.sh world1-8b|once"; exit 2 ;;
+  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once"; exit 2 ;;
 esac
