@@ -24,6 +24,7 @@ import time
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = 300.0
+FAKE_BACKENDS = {"fake", "sim"}  # torch's FakeProcessGroup, and benchmarks/sim_world.py's timed one
 DONE = "done"
 
 _watching: dict[str, threading.Thread] = {}  # group name -> its watchdog
@@ -47,10 +48,14 @@ def watch(group: dist.ProcessGroup, timeout: float | None = None) -> None:
     timeout = stall_timeout(timeout)
     if timeout == 0 or dist.get_world_size(group) == 1 or group.group_name in _watching:
         return
-    ranks = dist.get_process_group_ranks(group)
-    thread = threading.Thread(target=_Watchdog(dist.distributed_c10d._get_default_store(), group.group_name, ranks,
-                                               dist.get_rank(), timeout).run,
-                              name=f"linnet-watchdog-{group.group_name}", daemon=True)
+    if dist.get_backend(group) in FAKE_BACKENDS:  # one process playing every rank: no peer to watch
+        return
+    try:
+        watchdog = _Watchdog(dist.distributed_c10d._get_default_store(), group.group_name,
+                             dist.get_process_group_ranks(group), dist.get_rank(), timeout)
+    except RuntimeError:  # a store that keeps no keys (a fake group's) cannot carry heartbeats
+        return
+    thread = threading.Thread(target=watchdog.run, name=f"linnet-watchdog-{group.group_name}", daemon=True)
     _watching[group.group_name] = thread
     thread.start()
 
