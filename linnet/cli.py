@@ -3,6 +3,9 @@
     linnet cards
     linnet torch llama-3.2-1b --entry loss_packed --generic Batch=1 --generic MaxSeq=4096 --generic T=bf16
     linnet jax tiny-llama --numerics fast
+
+A mistake in the command (an unknown card, a bad option, a bad card file) is one line,
+`linnet: error: ...`, and exit status 2.
 """
 
 from __future__ import annotations
@@ -11,11 +14,20 @@ import argparse
 import sys
 
 from linnet import cards
+from linnet.errors import USER_ERRORS, ArgumentParser, UserError, at_least
 from linnet.generics import bind_generics, example
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="linnet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    try:
+        return _run(_parser().parse_args(argv))
+    except USER_ERRORS as error:
+        print(f"linnet: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="linnet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("cards", help="list the shipped cards")
     for backend in ("torch", "jax"):
@@ -28,11 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--cast-dtype", action="store_true", help="f32 master weights cast to T where used")
         command.add_argument("--fully-shard", action="store_true", help="the sharded form: each group gathered where first used")
         if backend == "torch":
-            command.add_argument("--prefetch", type=int, default=1, metavar="LAYERS",
+            command.add_argument("--prefetch", type=at_least(0), default=1, metavar="LAYERS",
                                  help="with --fully-shard: how many layers' gathers run ahead (default 1)")
             command.add_argument("--one-rank", action="store_true",
                                  help="with --fully-shard: the form for one rank, where each gather is a cast")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "cards":
         for name in cards.shipped():
             card = cards.resolve(name)
@@ -42,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
 
     card = cards.resolve(args.card)
     checked = card.checked()
+    unknown = [entry for entry in args.entry or [] if entry not in checked.program.entries]
+    if unknown:
+        raise UserError(f"--entry {unknown[0]}: {card.name} has no such entry; its entries are {', '.join(checked.program.entries)}")
     generics = _defaults(checked)
     for item in args.generic:
-        name, _, value = item.partition("=")
+        name, equals, value = item.partition("=")
+        if not equals:
+            raise UserError(f"--generic {item}: expected NAME=VALUE, such as MaxSeq=4096")
         generics[name] = int(value) if value.isdigit() else value
     generics = bind_generics(checked, generics)
     schedule = None

@@ -7,14 +7,15 @@
 
 `load` parses and checks the card, binds the generics, emits source for the
 backend and executes it, then reads the weights (or draws random ones when
-asked) straight onto the device."""
+asked) straight onto the device. `tokenizer(card)` is the card's tokenizer."""
 
 from __future__ import annotations
 
 from linnet.cards import Card, resolve
+from linnet.errors import UserError
 from linnet.generics import bind_generics
 
-__all__ = ["resolve", "load"]
+__all__ = ["resolve", "load", "tokenizer"]
 
 
 def load(
@@ -82,3 +83,17 @@ def load(
     else:
         model.load_checkpoint(source)
     return model
+
+
+def tokenizer(card: str | Card):
+    """transformers' tokenizer of `card`, from its weights' repo (in the local Hugging Face cache, or
+    fetched) or folder; a UserError that says how to get it where it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    card = resolve(card)
+    try:
+        return AutoTokenizer.from_pretrained(card.weights.repo)
+    except OSError as error:
+        reason = str(error).split("\n")[0]
+        raise UserError(f"no tokenizer for {card.name} from {card.weights.repo} ({reason}): download it first "
+                        f"(`huggingface-cli download {card.weights.repo}`, logged in where the repo is gated)") from None

@@ -17,30 +17,39 @@ import argparse
 import jax
 import numpy as np
 import optax
-from datasets import load_dataset
 from jax.sharding import Mesh
-from transformers import AutoTokenizer
 
-from linnet import nest
+from linnet import nest, userdata
+from linnet.errors import ArgumentParser, at_least, exit_on_user_error
 from linnet.jax.train import evaluate, train
 from linnet.packing import Example, pack
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# A mistake in the options, the card or the data ends the run before it trains: one line, and exit
+# status 2 (tracebacks are for bugs).
+exit_on_user_error()
+parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--card", default="llama-3.1-8b-instruct")
-parser.add_argument("--data", default=None, help="a JSON-lines file of alpaca rows (default: the hub's tatsu-lab/alpaca)")
-parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--data", default=None, help="a JSON-lines file of alpaca rows: instruction, input (optional), "
+                    "output (default: the hub's tatsu-lab/alpaca); shuffled, 8400 at most used")
+parser.add_argument("--held-out", type=at_least(1), default=200, help="rows kept out of training for the held-out "
+                    "loss before and after (default 200)")
+parser.add_argument("--steps", type=at_least(1), default=30)
+parser.add_argument("--warmup", type=at_least(0), default=None, help="steps of linear warm-up of the learning rate "
+                    "(default 3, or --steps - 1 if fewer)")
 parser.add_argument("--lr", type=float, default=1e-5)
 parser.add_argument(
     "--no-remat", dest="remat", action="store_false", help="keep each layer for backward"
 )
-parser.add_argument("--tokens", type=int, default=4096, help="positions in a packed row")
+parser.add_argument("--tokens", type=at_least(2), default=4096, help="positions in a packed row")
 parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps, and resume from it")
-parser.add_argument("--checkpoint-every", type=int, default=100)
+parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
 args = parser.parse_args()
 TOKENS = args.tokens  # positions in a packed row
+warmup = userdata.warmup_steps(args.warmup, args.steps)
+userdata.check_out_folder(args.out)  # now, rather than after training
 
-tokenizer = AutoTokenizer.from_pretrained(nest.resolve(args.card).weights.repo)
+tokenizer = nest.tokenizer(args.card)
 
 
 def example(row: dict) -> Example:
@@ -53,13 +62,11 @@ def example(row: dict) -> Example:
     return Example.prompted(prompt, answer[: 2048 - len(prompt)])
 
 
-if args.data is None:
-    rows = load_dataset("tatsu-lab/alpaca", split="train")
-else:
-    rows = load_dataset("json", data_files=args.data, split="train")
-rows = rows.shuffle(seed=0).select(range(min(8400, len(rows))))
-batches = pack((example(row) for row in rows.select(range(200, len(rows)))), TOKENS)
-held_out = list(pack((example(row) for row in rows.select(range(200))), TOKENS))
+mesh = Mesh(np.array(jax.devices()), ("data",))
+training_rows, held_out_rows = userdata.split_held_out(userdata.alpaca_rows(args.data), args.held_out, args.data)
+# One packed row a device a step.
+batches = userdata.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, mesh.size, "devices")
+held_out = list(pack(map(example, held_out_rows), TOKENS))
 
 # The card's `loss_packed` entry as generated `jax.numpy`, f32 master weights
 # computed in bf16.
@@ -71,8 +78,7 @@ model = nest.load(
     generics={"Batch": 1, "MaxSeq": TOKENS, "T": "bf16"},
     cast_dtype=True,
 )
-mesh = Mesh(np.array(jax.devices()), ("data",))
-schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 3, args.steps, 0.0)
+schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, 0.0)
 
 
 def report(step):

@@ -15,24 +15,32 @@ import argparse
 import os
 
 import torch
-from datasets import load_dataset
-from transformers import AutoTokenizer
 
-from linnet import nest
+from linnet import nest, userdata
+from linnet.errors import ArgumentParser, at_least, exit_on_user_error
 from linnet.torch import fully_shard
 from linnet.train import Example, cosine_schedule, evaluate, pack, train
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# A mistake in the options, the card or the data ends the run before it trains: one line, from the
+# first process, and exit status 2 (tracebacks are for bugs).
+exit_on_user_error()
+parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--card", default="llama-3.1-8b-instruct")
-parser.add_argument("--data", default=None, help="a JSON-lines file of alpaca rows (default: the hub's tatsu-lab/alpaca)")
-parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--data", default=None, help="a JSON-lines file of alpaca rows: instruction, input (optional), "
+                    "output (default: the hub's tatsu-lab/alpaca); shuffled, 8400 at most used")
+parser.add_argument("--held-out", type=at_least(1), default=200, help="rows kept out of training for the held-out "
+                    "loss before and after (default 200)")
+parser.add_argument("--steps", type=at_least(1), default=30)
+parser.add_argument("--warmup", type=at_least(0), default=None, help="steps of linear warm-up of the learning rate "
+                    "(default 3, or --steps - 1 if fewer)")
 parser.add_argument("--lr", type=float, default=1e-5)
-parser.add_argument("--tokens", type=int, default=4096, help="positions in a packed row")
+parser.add_argument("--tokens", type=at_least(2), default=4096, help="positions in a packed row")
 parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps, and resume from it")
-parser.add_argument("--checkpoint-every", type=int, default=100)
+parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
 args = parser.parse_args()
 TOKENS = args.tokens
+warmup = userdata.warmup_steps(args.warmup, args.steps)
 
 cuda = torch.cuda.is_available()
 torch.distributed.init_process_group("nccl" if cuda else "gloo")
@@ -40,7 +48,8 @@ rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 if cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-tokenizer = AutoTokenizer.from_pretrained(nest.resolve(args.card).weights.repo)
+userdata.check_out_folder(args.out)  # now, rather than after training
+tokenizer = nest.tokenizer(args.card)
 
 
 def example(row: dict) -> Example:
@@ -53,13 +62,10 @@ def example(row: dict) -> Example:
     return Example.prompted(prompt, answer[: 2048 - len(prompt)])
 
 
-if args.data is None:
-    rows = load_dataset("tatsu-lab/alpaca", split="train")
-else:
-    rows = load_dataset("json", data_files=args.data, split="train")
-rows = rows.shuffle(seed=0).select(range(min(8400, len(rows))))
-batches = list(pack([example(row) for row in rows.select(range(200, len(rows)))], TOKENS))
-held_out = list(pack([example(row) for row in rows.select(range(200))], TOKENS))
+training_rows, held_out_rows = userdata.split_held_out(userdata.alpaca_rows(args.data), args.held_out, args.data)
+# One packed row a process a step: the processes take turns over the batches.
+batches = userdata.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, world)
+held_out = userdata.enough_held_out(pack(map(example, held_out_rows), TOKENS), world, args.held_out)
 
 model = nest.load(
     args.card,
@@ -76,7 +82,7 @@ model = nest.load(
 fully_shard(model)
 trained = [p for p in model.parameters() if p.requires_grad]
 optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
-schedule = cosine_schedule(optimizer, 3, args.steps, floor=0.0)
+schedule = cosine_schedule(optimizer, warmup, args.steps, floor=0.0)
 
 
 def report(step):
@@ -85,7 +91,6 @@ def report(step):
 
 
 before = evaluate(model, held_out[rank::world])
-# One packed row a process a step: the processes take turns over the batches.
 history = train(
     model,
     iter(batches[rank::world]),

@@ -7,6 +7,7 @@ beside the card) and the numbers of its published config.json (`[config]`)."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import tomllib
 from dataclasses import dataclass
@@ -14,10 +15,21 @@ from pathlib import Path
 
 from linnet.cardlang import CardError, check_program, parse_program
 from linnet.cardlang.check import Checked
+from linnet.errors import UserError
 
 CARDS_DIR = Path(__file__).parent
 _TOP_KEYS = {"name", "family", "weights", "config"}
 _WEIGHTS_KEYS = {"repo", "init"}
+
+
+class UnknownCard(UserError, KeyError):
+    """A card name that is neither shipped nor a path to a .toml card (a KeyError, as it always was)."""
+
+    __str__ = UserError.__str__  # the message, not KeyError's quoted repr of it
+
+
+class MissingCardFile(UserError, FileNotFoundError):
+    """A path to a .toml card with no file there (a FileNotFoundError, as it always was)."""
 
 
 @dataclass(frozen=True)
@@ -55,26 +67,41 @@ def resolve(card: str | Path | Card) -> Card:
     if path.suffix != ".toml":
         path = CARDS_DIR / f"{card}.toml"
         if not path.exists():
-            raise KeyError(f"unknown card {card!r}: the shipped cards are {', '.join(shipped())}; or give a path to a .toml card")
+            raise UnknownCard(f"unknown card {card!r}{_did_you_mean(str(card))}: the shipped cards are "
+                              f"{', '.join(shipped())}; or give a path to a .toml card")
     return _load_card(path.resolve())
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name, shipped(), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @functools.lru_cache(maxsize=None)
 def _load_card(path: Path) -> Card:
     if not path.exists():
-        raise FileNotFoundError(f"no card file at {path}")
+        raise MissingCardFile(f"no card file at {path}")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as error:
         raise CardError(str(path), _toml_line(error), f"not valid TOML: {error}") from None
+    except UnicodeDecodeError as error:
+        raise CardError(str(path), None, f"not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                                         f"{error.start}): a card is a TOML file") from None
+    except OSError as error:
+        raise CardError(str(path), None, f"cannot read the card: {error.strerror or error}") from None
     unknown = set(data) - _TOP_KEYS
     missing = _TOP_KEYS - set(data)
     if unknown or missing:
         detail = "; ".join(filter(None, [missing and f"missing {sorted(missing)}", unknown and f"unknown {sorted(unknown)}"]))
         raise CardError(str(path), None, f"a card has exactly the keys {sorted(_TOP_KEYS)}: {detail}")
+    for key, kind, described in (("name", str, "a string"), ("family", str, "a string"), ("weights", dict, "a table"),
+                                 ("config", dict, "a table")):
+        if not isinstance(data[key], kind):
+            raise CardError(str(path), None, f"{key} must be {described}, got {data[key]!r}")
     weights = data["weights"]
-    if not isinstance(weights, dict) or "repo" not in weights or set(weights) - _WEIGHTS_KEYS:
-        raise CardError(str(path), None, f"[weights] takes repo (required) and init, got {sorted(weights)}")
+    if "repo" not in weights or set(weights) - _WEIGHTS_KEYS or not isinstance(weights["repo"], str):
+        raise CardError(str(path), None, f"[weights] takes repo (required, a string) and init, got {weights}")
     if weights.get("init") not in (None, "random"):
         raise CardError(str(path), None, f'[weights] init must be "random" if given, got {weights["init"]!r}')
     repo = weights["repo"]

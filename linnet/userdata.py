@@ -1,0 +1,179 @@
+"""What a user gives the fine-tuning examples, checked before the first step, so that a mistake costs
+seconds rather than a run: the rows of a JSON-lines file (read with errors that name the file, the line
+and what is wrong), the held-out split, enough packed rows for the steps asked for, the warm-up, and the
+folder the trained weights go to.
+
+    rows = alpaca_rows("data/tasks.jsonl")               # shuffled (seed 0), at most 8400
+    training, held_out = split_held_out(rows, 200, "data/tasks.jsonl")
+    batches = rows_for_steps(pack(map(example, training), 4096), steps=30, ranks=world)
+
+Every check raises a `linnet.errors.UserError`, whose message names the examples' options (--held-out,
+--steps, --tokens, --warmup, --out) where one of them is what to change."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from linnet.errors import UserError
+from linnet.packing import Row
+
+__all__ = ["alpaca_rows", "check_out_folder", "enough_held_out", "read_rows", "rows_for_steps", "split_held_out",
+           "warmup_steps"]
+
+ALPACA = "tatsu-lab/alpaca"
+ALPACA_ROW = 'a JSON object with the strings "instruction", "output" and, optionally, "input"'
+T = TypeVar("T")
+_JSON_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "true or false", type(None): "null"}
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """The alpaca rows of a JSON-lines file: one JSON object a line (blank lines skipped), each with the
+    strings "instruction" and "output" and optionally "input" ("" where absent or null)."""
+    rows = []
+    try:
+        with open(path, "rb") as file:
+            for number, line in enumerate(file, 1):
+                text = _decoded(line, path, number)
+                if text.strip():
+                    rows.append(_alpaca_row(text, path, number))
+    except OSError as error:
+        raise UserError(f"cannot read the data file {path}: {error.strerror or error}") from None
+    if not rows:
+        raise UserError(f"{path} holds no rows: give one row a line, each {ALPACA_ROW}")
+    return rows
+
+
+def _decoded(line: bytes, path, number: int) -> str:
+    try:
+        return line.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path}:{number}: not UTF-8 text (byte {line[error.start]:#04x} at column "
+                        f"{error.start + 1}): save the file as UTF-8") from None
+
+
+def _alpaca_row(text: str, path, number: int) -> dict:
+    try:
+        row = json.loads(text.rstrip("\r\n"))
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno}): "
+                        f"each line is {ALPACA_ROW}") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{path}:{number}: a JSON {_JSON_KINDS.get(type(row), type(row).__name__)}, not a row: "
+                        f"each line is {ALPACA_ROW}")
+    missing = [field for field in ("instruction", "output") if field not in row]
+    if missing:
+        raise UserError(f"{path}:{number}: the row has no {' and no '.join(map(repr, missing))}: "
+                        f"each line is {ALPACA_ROW}")
+    if row.get("input") is None:
+        row["input"] = ""
+    for field in ("instruction", "input", "output"):
+        if not isinstance(row[field], str):
+            raise UserError(f"{path}:{number}: {field!r} is {json.dumps(row[field])}, not a string: "
+                            f"each line is {ALPACA_ROW}")
+    return row
+
+
+def alpaca_rows(path: str | None, *, seed: int = 0, most: int = 8400) -> list[dict]:
+    """Up to `most` rows of `path` (None: the Hugging Face hub's tatsu-lab/alpaca) in a shuffled order:
+    the order `datasets`' shuffle(seed) gives, so a run sees the rows it saw when it read them that way."""
+    if path is None:
+        from datasets import load_dataset
+
+        rows = load_dataset(ALPACA, split="train").to_list()
+    else:
+        rows = read_rows(path)
+    order = np.random.default_rng(seed).permutation(len(rows))[:most]
+    return [rows[index] for index in order]
+
+
+def split_held_out(rows: list[T], held_out: int, source: str | None) -> tuple[list[T], list[T]]:
+    """(the rows to train on, the first `held_out` rows): the held-out rows give the loss before and after."""
+    if held_out >= len(rows):
+        raise UserError(f"{source or ALPACA} has {len(rows)} rows, and --held-out {held_out} of them are kept for "
+                        f"the held-out loss, which leaves none to train on: lower --held-out (at most "
+                        f"{len(rows) - 1}) or give more rows")
+    return rows[held_out:], rows[:held_out]
+
+
+def rows_for_steps(rows: Iterable[Row], steps: int, ranks: int, ranks_are: str = "processes") -> list[Row]:
+    """The first steps x ranks packed rows, one a rank a step, packing no more than that; or a UserError,
+    before the first step, that says how many there are and what to change."""
+    needed = steps * ranks
+    taken = list(itertools.islice(rows, needed))
+    if len(taken) < needed:
+        raise UserError(f"--steps {steps} on {ranks} {ranks_are} takes {needed} packed rows (one a step on each), "
+                        f"but the training rows pack into {_rows(taken)}: lower --steps (to {len(taken) // ranks} "
+                        f"at most), lower --tokens, or give more rows")
+    return taken
+
+
+def enough_held_out(rows: Iterable[Row], ranks: int, held_out: int) -> list[Row]:
+    """The packed held-out rows, at least one for each of `ranks` (each evaluates its own); or a UserError."""
+    rows = list(rows)
+    if len(rows) < ranks:
+        raise UserError(f"--held-out {held_out}: the held-out rows pack into {_rows(rows)}, fewer than the "
+                        f"{ranks} processes, each of which evaluates at least one: raise --held-out")
+    return rows
+
+
+def _rows(rows: list[Row]) -> str:
+    return f"{len(rows)} rows of --tokens {len(rows[0].tokens)}" if rows else "none"
+
+
+def warmup_steps(warmup: int | None, steps: int, default: int = 3) -> int:
+    """The steps of linear warm-up: `warmup` if given, else `default` or fewer, always fewer than `steps`
+    (the learning rate then decays over the rest)."""
+    if warmup is None:
+        return min(default, steps - 1)
+    if not 0 <= warmup < steps:
+        raise UserError(f"--warmup {warmup} must be less than --steps {steps}: the learning rate rises over the "
+                        f"warm-up and decays over the steps after it; lower --warmup or raise --steps")
+    return warmup
+
+
+def check_out_folder(path: str | os.PathLike | None) -> None:
+    """Raises unless the trained weights can be written to the folder `path` (None: nothing to check):
+    it is a folder or can be made one, and it and the folder beside it, where the files are first
+    written, take a new file. Under torch.distributed the first rank checks (it alone writes), and
+    every rank raises what it found, so that all stop together before the first step."""
+    if path is None:
+        return
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return _check_out_folder(Path(path))
+    from linnet.agree import cpu_group
+
+    problem = [None]
+    if dist.get_rank() == 0:
+        try:
+            _check_out_folder(Path(path))
+        except UserError as error:
+            problem = [str(error)]
+    dist.broadcast_object_list(problem, src=0, group=cpu_group())
+    if problem[0] is not None:
+        raise UserError(problem[0])
+
+
+def _check_out_folder(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out {folder} is a file, not a folder: give a folder for the trained weights")
+    # The files are written in a folder made beside `folder`, then moved in: both places must take a file.
+    for place in (folder.parent, folder):
+        existing = next(p for p in itertools.chain([place], place.parents) if p.exists())
+        if not existing.is_dir():
+            raise UserError(f"--out {folder} cannot be made: {existing} is a file, not a folder")
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as error:
+            raise UserError(f"--out {folder} cannot be written: {existing} does not take a new file "
+                            f"({error.strerror or error}); give a folder you can write to") from None

@@ -1,0 +1,300 @@
+"""A run that cannot be lost: the fine-tuning examples find a mistake in their options, card or data
+before the first step and say it in one line, from one process, naming what and where, with exit
+status 2 and no traceback; a run re-run after it finished still writes --out.
+
+The checks are tested as functions; the scripts run for a few representative cases (a torchrun
+launch costs 10 to 60 s here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from linnet import cards, nest, userdata
+from linnet.errors import USER_ERRORS, ArgumentParser, UserError, at_least
+from linnet.packing import Example, pack
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "examples" / "07-fsdp" / "data" / "tasks.jsonl"
+LINES = TASKS.read_text(encoding="utf-8").splitlines(keepends=True)
+TINY = ["--card", "tiny-llama", "--tokens", "256", "--lr", "3e-3"]
+
+
+def data(tmp_path: Path, *lines: str | bytes, name: str = "data.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_bytes(b"".join(line.encode() if isinstance(line, str) else line for line in lines))
+    return path
+
+
+def raises(function, *args, **kwargs) -> str:
+    """The message of the UserError function(*args) raises."""
+    with pytest.raises(UserError) as raised:
+        function(*args, **kwargs)
+    return str(raised.value)
+
+
+# The data file: every mistake names the file and the line.
+
+def test_rows_are_read_with_input_optional(tmp_path):
+    path = data(tmp_path, "\ufeff" + LINES[0], "\n", '{"instruction": "a", "output": "b"}\n',
+                '{"instruction": "c", "input": null, "output": "d"}')
+    rows = userdata.read_rows(path)
+    assert rows[0] == json.loads(LINES[0])
+    assert rows[1:] == [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "c", "input": "", "output": "d"}]
+
+
+@pytest.mark.parametrize("lines, expected", [
+    ([], r"data.jsonl holds no rows: give one row a line"),
+    (["\n", "  \n"], r"data.jsonl holds no rows"),
+    ([LINES[0], '{"instruction": "x", "input": ""\n'], r"data.jsonl:2: not valid JSON \(Expecting ',' delimiter, column 33\)"),
+    ([LINES[0], b'{"instruction": "caf\xe9", "output": "x"}\n'], r"data.jsonl:2: not UTF-8 text \(byte 0xe9 at column 21\)"),
+    ([LINES[0], LINES[1], '{"instruction": "x", "input": ""}\n'], r"data.jsonl:3: the row has no 'output'"),
+    (['{"input": "x"}\n'], r"data.jsonl:1: the row has no 'instruction' and no 'output'"),
+    (['{"instruction": "x", "output": 5}\n'], r"data.jsonl:1: 'output' is 5, not a string"),
+    (['["instruction", "output"]\n'], r"data.jsonl:1: a JSON list, not a row"),
+])
+def test_a_bad_data_file_names_the_file_and_the_line(tmp_path, lines, expected):
+    message = raises(userdata.read_rows, data(tmp_path, *lines))
+    assert message.startswith(str(tmp_path))
+    assert re.search(expected, message), message
+    assert '"instruction", "output"' in message or "UTF-8" in message
+
+
+def test_a_missing_data_file_is_named(tmp_path):
+    assert raises(userdata.read_rows, tmp_path / "absent.jsonl") == (
+        f"cannot read the data file {tmp_path / 'absent.jsonl'}: No such file or directory")
+
+
+def test_the_rows_come_in_the_order_datasets_shuffled_them():
+    """So that the README's losses, measured when the examples read the data with `datasets`, still hold."""
+    from datasets import load_dataset
+
+    shuffled = load_dataset("json", data_files=str(TASKS), split="train").shuffle(seed=0)
+    assert userdata.alpaca_rows(str(TASKS), most=500) == [dict(row) for row in shuffled.select(range(500))]
+
+
+# The split, the packed rows, the warm-up and --out: checked before the first step.
+
+def examples(count: int) -> list[Example]:
+    return [Example.prompted([1, 2, 3], [4, 5, 6, 7]) for _ in range(count)]  # 7 positions each
+
+
+def test_too_few_rows_for_the_held_out_split():
+    assert userdata.split_held_out(list(range(10)), 3, "d.jsonl") == (list(range(3, 10)), [0, 1, 2])
+    assert raises(userdata.split_held_out, list(range(150)), 200, "d.jsonl") == (
+        "d.jsonl has 150 rows, and --held-out 200 of them are kept for the held-out loss, which leaves none to "
+        "train on: lower --held-out (at most 149) or give more rows")
+
+
+def test_rows_for_the_steps_are_counted_before_the_first_step():
+    packed = userdata.rows_for_steps(pack(examples(20), 16), steps=3, ranks=2)  # 2 examples a row: 10 rows
+    assert len(packed) == 6
+    assert raises(userdata.rows_for_steps, pack(examples(20), 16), 6, 2) == (
+        "--steps 6 on 2 processes takes 12 packed rows (one a step on each), but the training rows pack into "
+        "10 rows of --tokens 16: lower --steps (to 5 at most), lower --tokens, or give more rows")
+    assert "on 4 devices" in raises(userdata.rows_for_steps, iter([]), 1, 4, "devices")
+
+
+def test_rows_for_the_steps_pack_no_more_than_they_need():
+    taken = []
+
+    def counted():
+        for example in examples(1000):
+            taken.append(example)
+            yield example
+
+    userdata.rows_for_steps(pack(counted(), 16), steps=2, ranks=2)
+    assert len(taken) < 1000
+
+
+def test_each_process_needs_a_held_out_row():
+    assert len(userdata.enough_held_out(pack(examples(4), 16), 2, 4)) == 2
+    assert raises(userdata.enough_held_out, pack(examples(1), 16), 2, 1) == (
+        "--held-out 1: the held-out rows pack into 1 rows of --tokens 16, fewer than the 2 processes, each of "
+        "which evaluates at least one: raise --held-out")
+
+
+def test_the_default_warmup_fits_a_short_run_and_a_given_one_is_checked():
+    assert [userdata.warmup_steps(None, steps) for steps in (1, 2, 3, 4, 30)] == [0, 1, 2, 3, 3]
+    assert userdata.warmup_steps(0, 1) == 0 and userdata.warmup_steps(9, 10) == 9
+    assert raises(userdata.warmup_steps, 5, 5).startswith("--warmup 5 must be less than --steps 5")
+
+
+def test_out_is_checked_without_leaving_anything(tmp_path):
+    for fine in (tmp_path / "new" / "weights", tmp_path):
+        userdata.check_out_folder(fine)
+    userdata.check_out_folder(None)
+    assert list(tmp_path.iterdir()) == []
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert raises(userdata.check_out_folder, blocker) == (
+        f"--out {blocker} is a file, not a folder: give a folder for the trained weights")
+    assert raises(userdata.check_out_folder, blocker / "weights") == (
+        f"--out {blocker / 'weights'} cannot be made: {blocker} is a file, not a folder")
+    # /proc takes no new file, whoever asks (a read-only folder does not stop root).
+    assert raises(userdata.check_out_folder, "/proc/linnet/weights").startswith(
+        "--out /proc/linnet/weights cannot be written: /proc does not take a new file (")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_read_only_out_is_found(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    assert "cannot be written" in raises(userdata.check_out_folder, locked)
+    assert "cannot be written" in raises(userdata.check_out_folder, locked / "weights")
+
+
+# The card, the options and the one line.
+
+def test_an_unknown_card_suggests_the_closest():
+    with pytest.raises(KeyError) as raised:  # a KeyError, as it always was
+        cards.resolve("tiny-lama")
+    assert isinstance(raised.value, UserError)
+    assert str(raised.value).startswith("unknown card 'tiny-lama' (did you mean 'tiny-llama'?): the shipped cards are ")
+    assert "did you mean" not in str(pytest.raises(KeyError, cards.resolve, "gpt-5").value)
+
+
+def test_card_file_mistakes_are_user_errors(tmp_path):
+    with pytest.raises(FileNotFoundError) as raised:
+        cards.resolve(tmp_path / "absent.toml")
+    assert isinstance(raised.value, UserError)
+    (tmp_path / "latin1.toml").write_bytes(b'name = "caf\xe9"\n')
+    with pytest.raises(USER_ERRORS, match="latin1.toml: not UTF-8 text"):
+        cards.resolve(tmp_path / "latin1.toml")
+    (tmp_path / "table.toml").write_text('name = "x"\nfamily = "llama"\nweights = "repo"\nconfig = {}\n')
+    with pytest.raises(USER_ERRORS, match="table.toml: weights must be a table, got 'repo'"):
+        cards.resolve(tmp_path / "table.toml")
+
+
+def test_a_card_without_its_tokenizer_says_how_to_get_it(tmp_path):
+    card = (ROOT / "linnet" / "cards" / "tiny-llama.toml").read_text().replace('"tokenizers/tiny"', '"./absent"')
+    (tmp_path / "llama.arch").write_text((ROOT / "linnet" / "cards" / "llama.arch").read_text())
+    (tmp_path / "card.toml").write_text(card)
+    with pytest.raises(UserError, match=f"no tokenizer for tiny-llama from {tmp_path}/absent .*: download it first"):
+        nest.tokenizer(tmp_path / "card.toml")
+    assert nest.tokenizer("tiny-llama").eos_token == "<|eot_id|>"
+
+
+def test_option_mistakes_are_user_errors():
+    parser = ArgumentParser(prog="sft.py")
+    parser.add_argument("--steps", type=at_least(1), default=30)
+    assert parser.parse_args(["--steps", "2"]).steps == 2
+    for given, expected in ((["--steps", "0"], "argument --steps: must be at least 1, got 0 (see sft.py --help)"),
+                            (["--steps", "x"], "argument --steps: expected a whole number, got 'x' (see sft.py --help)"),
+                            (["--stpes", "2"], "unrecognized arguments: --stpes 2 (see sft.py --help)")):
+        with pytest.raises(UserError) as raised:
+            parser.parse_args(given)
+        assert str(raised.value) == expected
+
+
+def run_python(code: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+                          env={**os.environ, **(env or {})})
+
+
+RAISE = "from linnet.errors import UserError, exit_on_user_error\nexit_on_user_error()\nraise {}('bad --steps')\n"
+
+
+def test_a_user_error_is_one_line_and_status_2_and_a_bug_keeps_its_traceback():
+    said = run_python(RAISE.format("UserError"))
+    assert (said.returncode, said.stdout, said.stderr) == (2, "", "error: bad --steps\n")
+    bug = run_python(RAISE.format("ValueError"))
+    assert bug.returncode == 1 and "Traceback" in bug.stderr and "ValueError: bad --steps" in bug.stderr
+
+
+def test_another_rank_lets_the_first_speak():
+    """Under torchrun the first rank's exit stops the others (SIGTERM): they leave with its status, silent;
+    a rank whose first never spoke says it itself."""
+    started = time.monotonic()
+    code = RAISE.replace("raise", "print('raising', flush=True)\nraise").format("UserError")
+    waiting = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env={**os.environ, "RANK": "1"})
+    assert waiting.stdout.readline() == "raising\n"
+    time.sleep(1)  # in the hook, waiting
+    assert waiting.poll() is None
+    waiting.send_signal(signal.SIGTERM)
+    assert waiting.wait(timeout=30) == 2 and waiting.communicate() == ("", "")
+    alone = run_python("import linnet.errors\nlinnet.errors.FIRST_SPEAKS_WITHIN = 0.5\n" + RAISE.format("UserError"),
+                       env={"RANK": "1"})
+    assert (alone.returncode, alone.stderr) == (2, "error (rank 1): bad --steps\n")
+    assert time.monotonic() - started < 60
+
+
+# The scripts.
+
+def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/07-fsdp/sft_torch.py",
+                *TINY, *args])
+
+
+def jax_example(*args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "examples/07-fsdp/sft_jax.py", *TINY, *args])
+
+
+def said_once(result: subprocess.CompletedProcess, script: str) -> str:
+    """The one `error:` line of a run that stopped on a user error, before any step, with no traceback of
+    its own (torchrun adds its summary, and a traceback of its own launcher, after it)."""
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if line.startswith("error")]
+    assert result.returncode != 0 and len(lines) == 1, output[-3000:]
+    assert f'{script}", line' not in output and "[rank" not in output, output[-3000:]  # no worker's traceback
+    assert "step 1:" not in output
+    return lines[0]
+
+
+def test_jax_example_stops_on_mistakes_before_training(tmp_path):
+    for args, expected in (
+        (["--data", str(data(tmp_path, LINES[0], b'{"instruction": "\xff"}\n', name="latin.jsonl"))],
+         f"{tmp_path}/latin.jsonl:2: not UTF-8"),
+        (["--data", str(data(tmp_path, *LINES[:3], '{"instruction": "x"}\n', name="no-output.jsonl"))],
+         f"{tmp_path}/no-output.jsonl:4: the row has no 'output'"),
+        (["--data", str(data(tmp_path, *LINES[:150], name="short.jsonl"))],
+         f"{tmp_path}/short.jsonl has 150 rows, and --held-out 200"),
+        (["--data", str(TASKS), "--steps", "2000"], "--steps 2000 on 4 devices takes 8000 packed rows"),
+        (["--data", str(TASKS), "--out", str(TASKS)], f"--out {TASKS} is a file, not a folder"),
+    ):
+        result = jax_example(*args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert said_once(result, "sft_jax.py").startswith(f"error: {expected}")
+
+
+def test_torch_example_stops_on_mistakes_before_training(tmp_path):
+    for args, expected in (
+        (["--card", "tiny-lama"], "error: unknown card 'tiny-lama' (did you mean 'tiny-llama'?)"),
+        (["--data", str(data(tmp_path, LINES[0], '{"instruction": "x", "input": ""\n'))],
+         f"error: {tmp_path}/data.jsonl:2: not valid JSON"),
+        (["--data", str(TASKS), "--out", str(TASKS / "weights")], f"error: --out {TASKS / 'weights'} cannot be made"),
+        (["--data", str(TASKS), "--steps", "2000"], "error: --steps 2000 on 2 processes takes 4000 packed rows"),
+    ):
+        result = torchrun(*args)
+        assert result.returncode != 0
+        assert said_once(result, "sft_torch.py").startswith(expected)
+        # The first rank's status; the other's too, unless torchrun stopped it before it found the mistake.
+        assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in result.stderr
+
+
+@pytest.mark.parametrize("example", [torchrun, jax_example], ids=["torch", "jax"])
+def test_a_finished_run_run_again_writes_out(tmp_path, example):
+    """--steps 2 with the default warm-up; then the same command, its checkpoint at its last step, exports."""
+    command = ["--data", str(TASKS), "--steps", "2", "--checkpoint", str(tmp_path / "run")]
+    first = example(*command)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "step 2:" in first.stdout
+    again = example(*command, "--out", str(tmp_path / "weights"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "no steps left to run" in again.stdout and "step 1:" not in again.stdout
+    assert (tmp_path / "weights" / "model.safetensors").exists()
