@@ -6,12 +6,24 @@ the step, the world size, the data position, the schedule, the layouts of the
 parts, and each file's size and SHA-256; linnet/checkpoint_folder.py makes it
 visible only when complete and picks the newest one that checks out.
 A checkpoint resumes at another world size: the parts and the optimizer state
-are re-split from the saved parts."""
+are re-split from the saved parts.
+
+A Checkpointer holds its folder from its creation until close() (train
+closes it): the first rank takes the folder's lock, and every rank learns
+whether it could. Resuming compares the checkpoint with this run: another
+card, or other shapes or number of layers, is refused, naming each
+difference; other optimizer settings (learning rate, betas, eps, weight
+decay), another schedule or number of steps are followed, with a note: this
+run's settings replace the checkpoint's, and its schedule is stepped to the
+checkpoint's step."""
 
 from __future__ import annotations
 
+import copy
 import random
+import warnings
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import torch
@@ -48,8 +60,14 @@ def _rank_file(rank: int, world: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, folder, model, optimizer: torch.optim.Optimizer, schedule=None, keep: int = 2):
+    """Saves a run's state into `folder` and resumes from it. It holds the folder from its creation (every rank
+    creates it, the first takes the folder's lock) until close(); `with Checkpointer(...) as checkpointer:`
+    closes it too. steps: the run's planned steps, which a resumed run compares with its own."""
+
+    def __init__(self, folder, model, optimizer: torch.optim.Optimizer, schedule=None, keep: int = 2,
+                 steps: int | None = None):
         self.folder, self.model, self.optimizer, self.schedule, self.keep = Path(folder), model, optimizer, schedule, keep
+        self.steps = steps
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         parts = list(model.parameters())
         self.part_index = {id(p): i for i, p in enumerate(parts)}
@@ -58,57 +76,188 @@ class Checkpointer:
             raise ValueError("the optimizer trains tensors that are not the model's parameters; "
                              "build it from model.parameters()")
         self.layouts = _layouts(model)
+        self.description = checkpoint_folder.model_description(model.checked)
+        # What this run asked for, kept before a resume loads the checkpoint's settings over them.
+        self.asked = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+                      for group in optimizer.param_groups]
+        self.fresh_schedule = copy.deepcopy(schedule.state_dict()) if schedule is not None else None
         self.manifest: dict | None = None
+        self.known: dict[str, str | None] = {}  # the first rank's findings on the folder's checkpoints
+        self.lock = first_rank_does(lambda: checkpoint_folder.take(self.folder),
+                                    f"take checkpoint folder {self.folder}")
+
+    def close(self) -> None:
+        """Lets the folder go, for another run to take."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.close()
+
+    # Room on the disk.
+
+    def bytes_needed(self) -> int:
+        """The bytes one checkpoint takes, every rank's file (a collective: every rank calls it)."""
+        mine = _tensor_bytes(self.params) + _optimizer_state_bytes(self.optimizer, self.params)
+        return sum(_gather_objects(mine)) + checkpoint_folder.HEADROOM
+
+    def check_room(self) -> None:
+        """Before the first step: fails now, not at the first save, if the disk cannot hold a checkpoint."""
+        needed = self.bytes_needed()
+        first_rank_does(lambda: checkpoint_folder.check_room(self.folder, needed, self.known),
+                        f"find room for checkpoints in {self.folder}")
 
     # Saving.
 
     def save(self, step: int, rows_consumed: int) -> Path:
         rank, world = _world()
+        needed = self.bytes_needed()
         partial = checkpoint_folder.partial_path(self.folder, step)
-        first_rank_does(lambda: checkpoint_folder.begin(partial), f"begin checkpoint {partial}")
-        path = partial / _rank_file(rank, world)
-        state = {
-            "parts": [p.detach().cpu() for p in self.params],
-            "optimizer": self.optimizer.state_dict(),
-            "rng": _rng_state(),
-        }
-        together(lambda: torch.save(state, path), f"write {path}")
-        files = _gather_objects(checkpoint_folder.describe(path))
-        manifest = {
-            "framework": "torch",
-            "card": self.model.card.name,
-            "step": step,
-            "world": world,
-            "rows_consumed": rows_consumed,
-            "schedule": self.schedule.state_dict() if self.schedule is not None else None,
-            "layouts": self.layouts,
-            "parts": [self.part_index[id(p)] for p in self.params],
-        }
-        first_rank_does(lambda: checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep,
-                                                         default=_jsonable), f"commit checkpoint {partial}")
+        first_rank_does(lambda: self._begin(partial, needed), f"begin checkpoint {partial}")
+        try:
+            path = partial / _rank_file(rank, world)
+            state = {
+                "parts": [p.detach().cpu() for p in self.params],
+                "optimizer": self.optimizer.state_dict(),
+                "rng": _rng_state(),
+            }
+            size = _tensor_bytes(state["parts"]) + _optimizer_state_bytes(self.optimizer, self.params)
+            together(lambda: _write_state(state, path, size), f"write {path}")
+            files = _gather_objects(together(lambda: checkpoint_folder.describe(path), f"sync {path}"))
+            manifest = {
+                "framework": "torch",
+                "card": self.model.card.name,
+                "step": step,
+                "world": world,
+                "rows_consumed": rows_consumed,
+                "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+                "layouts": self.layouts,
+                "parts": [self.part_index[id(p)] for p in self.params],
+                "model": self.description,
+                "optimizer": {"class": type(self.optimizer).__name__, "groups": _settings(self.asked)},
+                "schedule_class": type(self.schedule).__name__ if self.schedule is not None else None,
+                "steps": self.steps,
+                "row_length": self.model.generics.get("MaxSeq"),
+            }
+            first_rank_does(lambda: checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep,
+                                                             default=_jsonable, known=self.known),
+                            f"commit checkpoint {partial}")
+        except Exception:  # every rank is here, past the agreement: what the save wrote takes no room
+            if rank == 0:
+                checkpoint_folder.discard(partial)
+            raise
         return self.folder / checkpoint_folder.step_name(step)
+
+    def _begin(self, partial: Path, needed: int) -> None:
+        checkpoint_folder.make_room(self.folder, needed, self.known)
+        checkpoint_folder.begin(partial)
 
     # Resuming.
 
     def resume(self) -> int:
         """Loads the newest complete checkpoint; returns its step (0 if there is none)."""
         rank, world = _world()
-        choice = checkpoint_folder.latest(self.folder) if rank == 0 else None
-        choice = _broadcast(None if choice is None else choice.name)
+        choice = first_rank_does(self._newest, f"find the newest checkpoint in {self.folder}")
+        choice = _broadcast(choice)
         if choice is None:
             return 0
         folder = self.folder / choice
         manifest = checkpoint_folder.read_manifest(folder)
         checkpoint_folder.check_framework(manifest, "torch", folder)
-        if manifest["card"] != self.model.card.name or manifest["layouts"] != self.layouts:
-            raise ValueError(f"checkpoint {folder} holds a run of {manifest['card']} with other layouts; "
-                             f"this model is {self.model.card.name}: point checkpoint= at another folder")
-        self._load(folder, manifest, rank, world)
+        self._check_same_model(folder, manifest, world)
+        state = self._read(folder, manifest, rank, world)
+        notes = self._differences(folder, manifest, state)
+        self._load(state, manifest, follow=bool(notes))
         self.manifest = manifest
         if rank == 0:
-            print(f"linnet: resuming from {folder} (step {manifest['step']}, saved by {manifest['world']} "
-                  f"ranks, now {world})", flush=True)
+            checkpoint_folder.print_resumed(f"resuming from {folder} (step {manifest['step']}, saved by "
+                                            f"{manifest['world']} ranks, now {world})",
+                                            notes + _quiet_differences(manifest, self.model))
         return manifest["step"]
+
+    def _newest(self) -> str | None:
+        found = checkpoint_folder.latest(self.folder, self.known)
+        return None if found is None else found.name
+
+    def _check_same_model(self, folder: Path, manifest: dict, world: int) -> None:
+        """Refuses a checkpoint of another card, or of other shapes (a layer more or less), naming each difference."""
+        differences = []
+        if manifest["card"] != self.model.card.name:
+            differences.append(f"card: {manifest['card']} in the checkpoint, {self.model.card.name} in this run")
+        if "model" in manifest:
+            differences += checkpoint_folder.model_differences(manifest["model"], self.description)
+        if not differences and manifest["layouts"] != self.layouts:
+            differences += _layout_differences(manifest["layouts"], self.layouts, self.model.checked)
+        if differences:
+            raise ValueError(checkpoint_folder.does_not_fit(folder, self.model.card.name, differences))
+        if manifest["world"] != world and not self.layouts:
+            raise ValueError(f"checkpoint {folder} was saved by {manifest['world']} ranks; an unsharded model "
+                             f"resumes only at the same world size")
+
+    def _differences(self, folder: Path, manifest: dict, state: dict) -> list[str]:
+        """The settings in which this run differs from the checkpoint's and follows its own, as notes; raises
+        for those it cannot follow (another optimizer, or settings that change the optimizer's state)."""
+        saved = manifest.get("optimizer") or {"class": None, "groups": _settings(state["optimizer"]["param_groups"])}
+        refusals, notes = _optimizer_differences(saved["groups"], _settings(self.asked))
+        if saved["class"] not in (None, type(self.optimizer).__name__):
+            refusals.insert(0, f"optimizer: {saved['class']} in the checkpoint, {type(self.optimizer).__name__} "
+                               f"in this run")
+        if refusals:
+            raise ValueError(f"checkpoint {folder} cannot resume with this run's optimizer: {'; '.join(refusals)}. "
+                             f"Use the checkpoint's optimizer settings, or point checkpoint= at another folder")
+        saved_schedule = manifest.get("schedule_class", "a schedule" if manifest["schedule"] is not None else None)
+        mine = type(self.schedule).__name__ if self.schedule is not None else None
+        if (saved_schedule is None) != (mine is None) or saved_schedule not in (None, "a schedule", mine):
+            notes.append(f"schedule: {saved_schedule or 'none'} in the checkpoint, {mine or 'none'} in this run")
+        if manifest.get("steps") is not None and self.steps is not None and manifest["steps"] != self.steps:
+            notes.append(f"steps: {manifest['steps']} in the checkpoint's run, {self.steps} in this one")
+        if notes:
+            what = "optimizer settings and schedule" if self.schedule is not None else "optimizer settings"
+            notes.append(f"from step {manifest['step']} on, this run's {what} apply")
+        return notes
+
+    def _read(self, folder: Path, manifest: dict, rank: int, world: int) -> dict:
+        """This rank's parts, optimizer state and RNG state from the checkpoint, checked against the parameters."""
+        if manifest["world"] == world:
+            state = torch.load(folder / _rank_file(rank, world), map_location="cpu", weights_only=False)
+        else:
+            state = self._resplit(folder, manifest["world"], rank, world)
+        shapes = [tuple(p.shape) for p in self.params]
+        saved = [tuple(t.shape) for t in state["parts"]]
+        if saved != shapes:  # what a manifest without the model's shapes could not tell
+            first = next((i for i, (a, b) in enumerate(zip(saved, shapes)) if a != b), min(len(saved), len(shapes)))
+            raise ValueError(checkpoint_folder.does_not_fit(folder, self.model.card.name, [
+                f"{len(saved)} tensors in the checkpoint, {len(shapes)} in this run",
+                f"tensor {first}: {_shape_at(saved, first)} in the checkpoint, {_shape_at(shapes, first)} in this run"]))
+        return state
+
+    def _load(self, state: dict, manifest: dict, follow: bool) -> None:
+        with torch.no_grad():
+            for param, saved in zip(self.params, state["parts"]):
+                param.copy_(saved.to(param.device))
+        self.optimizer.load_state_dict(state["optimizer"])
+        if follow:
+            self._follow_this_run(manifest["step"])
+        elif self.schedule is not None and manifest["schedule"] is not None:
+            self.schedule.load_state_dict(manifest["schedule"])
+        _set_rng_state(state["rng"])
+
+    def _follow_this_run(self, step: int) -> None:
+        """This run's optimizer settings in place of the checkpoint's, and its own schedule stepped to `step`,
+        as if this run had taken every step: a new learning rate is this run's peak, and its schedule's."""
+        for group, asked in zip(self.optimizer.param_groups, self.asked):
+            group.update(copy.deepcopy(asked))
+        if self.schedule is None:
+            return
+        self.schedule.load_state_dict(copy.deepcopy(self.fresh_schedule))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": none is taken here
+            for _ in range(step):
+                self.schedule.step()
 
     def rows_to_skip(self, step: int, rank: int, world: int) -> int:
         """Rows of this rank's iterator (the rank-strided rows[rank::world]) that the run already used."""
@@ -116,23 +265,6 @@ class Checkpointer:
             return 0
         consumed = self.manifest["rows_consumed"]
         return max(0, -(-(consumed - rank) // world))
-
-    def _load(self, folder: Path, manifest: dict, rank: int, world: int) -> None:
-        saved_world = manifest["world"]
-        if saved_world == world:
-            state = torch.load(folder / _rank_file(rank, world), map_location="cpu", weights_only=False)
-        else:
-            if not self.layouts:
-                raise ValueError(f"checkpoint {folder} was saved by {saved_world} ranks; an unsharded model "
-                                 f"resumes only at the same world size")
-            state = self._resplit(folder, saved_world, rank, world)
-        with torch.no_grad():
-            for param, saved in zip(self.params, state["parts"]):
-                param.copy_(saved.to(param.device))
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.schedule is not None and manifest["schedule"] is not None:
-            self.schedule.load_state_dict(manifest["schedule"])
-        _set_rng_state(state["rng"])
 
     def _resplit(self, folder: Path, saved_world: int, rank: int, world: int) -> dict:
         """This rank's parts and optimizer state, cut from the parts that saved_world ranks wrote."""
@@ -164,6 +296,10 @@ class Checkpointer:
         return {"parts": parts, "optimizer": {"state": state, "param_groups": optimizer["param_groups"]}, "rng": rng}
 
 
+def _shape_at(shapes: list[tuple], index: int) -> str:
+    return checkpoint_folder.show(list(shapes[index])) if index < len(shapes) else "none"
+
+
 def _layouts(model) -> list[dict]:
     """Each parameter's group and extent (in model.parameters() order), for re-splitting; [] if unsharded.
 
@@ -193,6 +329,111 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+# Settings a resumed run compares with the checkpoint's.
+
+IMPLEMENTATION = {"foreach", "fused", "capturable", "differentiable"}  # how a step runs, not what it computes
+CHANGES_STATE = {"amsgrad"}  # settings that keep other state tensors: the saved state does not fit
+SETTING_NAMES = {"lr": "learning rate", "weight_decay": "weight decay"}
+_UNRECORDED = object()
+
+
+def _settings(groups: list[dict]) -> list[dict]:
+    """Each parameter group's settings as a manifest records them: its base learning rate (a schedule's
+    peak, not this step's), and every other setting that JSON can hold."""
+    out = []
+    for group in groups:
+        entry = {}
+        for key, value in group.items():
+            if key in ("params", "initial_lr"):
+                continue
+            plain = _plain(group.get("initial_lr", value) if key == "lr" else value)
+            if plain is not _UNRECORDED:
+                entry[key] = plain
+        out.append(entry)
+    return out
+
+
+def _plain(value):
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _UNRECORDED if any(v is _UNRECORDED for v in items) else items
+    return _UNRECORDED
+
+
+def _optimizer_differences(saved: list[dict], asked: list[dict]) -> tuple[list[str], list[str]]:
+    """(refusals, notes): the settings that differ, those the saved state cannot follow apart."""
+    if len(saved) != len(asked):
+        return [f"{len(saved)} parameter groups in the checkpoint's optimizer, {len(asked)} in this run's"], []
+    refusals, notes = [], []
+    for index, (old, new) in enumerate(zip(saved, asked)):
+        where = f" (parameter group {index})" if len(asked) > 1 else ""
+        for key in sorted((old.keys() & new.keys()) - IMPLEMENTATION):
+            if old[key] != new[key]:
+                text = (f"{SETTING_NAMES.get(key, key)}{where}: {checkpoint_folder.show(old[key])} in the checkpoint, "
+                        f"{checkpoint_folder.show(new[key])} in this run")
+                (refusals if key in CHANGES_STATE else notes).append(text)
+    return refusals, notes
+
+
+def _quiet_differences(manifest: dict, model) -> list[str]:
+    """Differences that change nothing this run does, noted all the same."""
+    saved, mine = manifest.get("row_length"), model.generics.get("MaxSeq")
+    if saved is not None and mine is not None and saved != mine:
+        note = (f"row length: {saved} in the checkpoint, {mine} in this run (the data position counts rows, "
+                f"whatever their length)")
+        return [note]
+    return []
+
+
+def _layout_differences(saved: list[dict], mine: list[dict], checked) -> list[str]:
+    """How two parts layouts differ (for manifests written before they recorded the model's shapes)."""
+    if bool(saved) != bool(mine):
+        sharded = "the checkpoint's" if saved else "this run's"
+        return [f"sharding: only {sharded} model is sharded (fully_shard)"]
+    differences = []
+    keys = {decl.name: decl.key for decl in checked.program.groups.values()}
+    for group in sorted({e["group"] for e in saved} | {e["group"] for e in mine}):
+        old = [e["extent"] for e in saved if e["group"] == group]
+        new = [e["extent"] for e in mine if e["group"] == group]
+        if len(old) != len(new):
+            differences.append(f"number of {keys.get(group, group)}: {len(old)} in the checkpoint, {len(new)} in "
+                               f"this run")
+        elif old != new:
+            differences.append(f"{keys.get(group, group)}: {old[0]} elements in the checkpoint, {new[0]} in this run")
+    return differences or ["the layout of the parts"]
+
+
+# Sizes and writes.
+
+OPTIMIZER_MOMENTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
+                     "SGD": 1, "RMSprop": 1, "Adagrad": 1}
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
+    """The optimizer state's bytes: as it is once it exists; before the first step (PyTorch makes it then),
+    what it will be, counted in tensors the size of the parameters (Adam keeps two; unknown optimizers as many)."""
+    if optimizer.state:
+        return sum(_tensor_bytes(v for v in state.values() if torch.is_tensor(v)) for state in optimizer.state.values())
+    moments = OPTIMIZER_MOMENTS.get(type(optimizer).__name__, 2)
+    moments += any(group.get("amsgrad") for group in optimizer.param_groups)
+    return moments * _tensor_bytes(params)
+
+
+def _write_state(state: dict, path: Path, size: int) -> None:
+    """torch.save through a Python file: a full or read-only disk then fails with its errno, said plainly
+    (saving to a path, torch's own writer says only "unexpected pos 108224 vs 108112")."""
+    with checkpoint_folder.storage_errors(path, "write", size), open(path, "wb") as f:
+        torch.save(state, f)
 
 
 def _jsonable(value):

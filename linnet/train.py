@@ -97,21 +97,34 @@ def train(
     checkpoint_every: int | None = None,
 ) -> History:
     """`steps` optimizer steps over `batches` (this rank's rows); resumes from `checkpoint` if it holds one,
-    and saves into it every `checkpoint_every` steps (if given) and after the last."""
+    and saves into it every `checkpoint_every` steps (if given) and after the last. The run holds the
+    checkpoint folder until it returns (another run pointed at it stops at once, naming this one), and
+    checks before its first step that it can write a checkpoint there."""
     from linnet.checkpoint import Checkpointer
 
     _check_model(model)
+    checkpointer = Checkpointer(checkpoint, model, optimizer, schedule, steps=steps) if checkpoint is not None else None
+    try:
+        return _train(model, batches, optimizer, steps, schedule, on_step, checkpointer, checkpoint_every)
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
+
+
+def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, steps: int, schedule,
+           on_step: Callable[[Step], None] | None, checkpointer, checkpoint_every: int | None) -> History:
     rank, world = _world()
     history = History()
     rows: Iterator[Row] = iter(batches)
-    checkpointer = Checkpointer(checkpoint, model, optimizer, schedule) if checkpoint is not None else None
     rows_consumed = 0  # global rows, over all ranks and every run that led here
     if checkpointer is not None:
         history.resumed_from = checkpointer.resume()
         if history.resumed_from > steps:
-            raise ValueError(f"the checkpoint in {checkpoint} is at step {history.resumed_from}, past steps={steps}")
+            raise ValueError(f"the checkpoint in {checkpointer.folder} is at step {history.resumed_from}, "
+                             f"past steps={steps}")
         rows = itertools.islice(rows, checkpointer.rows_to_skip(history.resumed_from, rank, world), None)
         rows_consumed = checkpointer.manifest["rows_consumed"] if history.resumed_from else 0
+        checkpointer.check_room()
     report = on_step or Progress(steps, rank)
     device = model.device
     for step in range(history.resumed_from + 1, steps + 1):

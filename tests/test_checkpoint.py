@@ -1,12 +1,14 @@
 """Checkpoints: a run killed part-way resumes to the same losses and weights;
 a checkpoint resumes at another world size; partial and corrupt ones are
-passed over with a warning."""
+passed over with a warning, and kept."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,20 @@ from linnet import nest
 from linnet.packing import Example, Row, pack
 
 DRIVER = Path(__file__).parent / "train_driver.py"
+LIMIT_S = 1800  # the longest test starts three torchruns of at most 600 s each
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    """Each test here fails, rather than hangs, past LIMIT_S seconds (SIGALRM: there is no pytest-timeout)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"the test ran past {LIMIT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(LIMIT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 def torchrun(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -142,10 +158,13 @@ def test_truncated_and_unfinished_checkpoints_are_passed_over(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004"]
     rank_file = next((folder / "step-00000004").glob("rank-*.pt"))
     rank_file.write_bytes(rank_file.read_bytes()[:-100])  # truncated
-    with pytest.warns(UserWarning, match=r"passing over checkpoint .*step-00000004: rank-00000-of-00001.pt has \d+ bytes"):
+    with pytest.warns(UserWarning) as caught:
         assert unsharded_run(folder, 5).resumed_from == 2
-    # steps 3 and 4 ran again, and their step-4 replaced the truncated one
-    assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000005"]
+    messages = " ".join(str(w.message) for w in caught)
+    assert re.search(r"passing over checkpoint .*step-00000004: rank-00000-of-00001.pt has \d+ bytes", messages)
+    # steps 3 and 4 ran again; the truncated step 4 was moved aside for a person, never overwritten
+    assert re.search(r"moved damaged checkpoint .*step-00000004 .* to .*step-00000004.damaged", messages)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000004.damaged", "step-00000005"]
     (folder / "step-00000005" / "MANIFEST.json").unlink()  # a checkpoint without its manifest
     (folder / "step-00000006.partial").mkdir()  # and one whose write was cut short
     with pytest.warns(UserWarning) as caught:

@@ -1,13 +1,32 @@
 """The checkpoint folder both frameworks write through: visible only when
-complete, pruned without touching what it cannot vouch for, and every kind of
-damage found and named."""
+complete, pruned without touching what it cannot vouch for, every kind of
+damage found and named, and a damaged checkpoint never deleted or
+overwritten."""
 
 from __future__ import annotations
 
 import json
+import signal
 import warnings
 
+import pytest
+
 from linnet import checkpoint_folder as cf
+
+LIMIT_S = 60
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    """Each test here fails, rather than hangs, past LIMIT_S seconds (SIGALRM: there is no pytest-timeout)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"the test ran past {LIMIT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(LIMIT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 def save(folder, step: int, payload: bytes = b"state", keep: int = 2):
@@ -69,3 +88,55 @@ def test_every_kind_of_damage_is_named(tmp_path):
     assert "does not match its SHA-256" in cf.find_problem(checkpoint)
     (checkpoint / "state.bin").write_bytes(b"01234")
     assert "has 5 bytes, the manifest says 10" in cf.find_problem(checkpoint)
+
+
+def corrupt(checkpoint) -> None:
+    state = checkpoint / "state.bin"
+    state.write_bytes(b"X" + state.read_bytes()[1:])  # same size: only the SHA-256 tells
+
+
+def test_a_damaged_checkpoint_is_never_pruned(tmp_path):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    corrupt(tmp_path / "step-00000001")
+    with pytest.warns(UserWarning, match=r"leaving damaged checkpoint .*step-00000001 in place \(state.bin does not "
+                                         r"match its SHA-256"):
+        save(tmp_path, 3)
+    with pytest.warns(UserWarning, match="leaving damaged checkpoint"):
+        save(tmp_path, 4)
+    assert names(tmp_path) == ["step-00000001", "step-00000003", "step-00000004"]  # 2 pruned, 1 not counted
+
+
+def test_saving_the_step_of_a_damaged_checkpoint_moves_it_aside(tmp_path):
+    save(tmp_path, 5, b"first")
+    corrupt(tmp_path / "step-00000005")
+    damaged = (tmp_path / "step-00000005" / "state.bin").read_bytes()
+    for again in (b"second", b"third"):
+        corrupt(tmp_path / "step-00000005")
+        with pytest.warns(UserWarning, match=r"moved damaged checkpoint .*step-00000005 \(state.bin does not match"):
+            save(tmp_path, 5, again)
+    assert names(tmp_path) == ["step-00000005", "step-00000005.damaged", "step-00000005.damaged-2"]
+    assert (tmp_path / "step-00000005.damaged" / "state.bin").read_bytes() == damaged
+    assert cf.find_problem(tmp_path / "step-00000005") is None
+
+
+def test_a_folder_of_damaged_checkpoints_is_named_whole_and_left_alone(tmp_path):
+    for step in (1, 2, 3):
+        save(tmp_path, step, keep=3)
+    corrupt(tmp_path / "step-00000003")
+    (tmp_path / "step-00000002" / cf.MANIFEST).unlink()
+    (tmp_path / "step-00000001" / "state.bin").write_bytes(b"st")
+    before = {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(cf.DamagedCheckpoints) as stopped:
+        cf.latest(tmp_path)
+    assert str(stopped.value).splitlines()[1:4] == [
+        "  step-00000003: state.bin does not match its SHA-256 in the manifest (corrupt)",
+        "  step-00000002: no MANIFEST.json (incomplete)",
+        "  step-00000001: state.bin has 2 bytes, the manifest says 5 (truncated or overwritten)"]
+    assert {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_folder_of_interrupted_writes_alone_starts_afresh(tmp_path):
+    cf.begin(cf.partial_path(tmp_path, 1))
+    with pytest.warns(UserWarning, match="step-00000001.partial: an unfinished checkpoint"):
+        assert cf.latest(tmp_path) is None

@@ -7,17 +7,29 @@ array: each part and each optimizer-state array, gathered to the host one at
 a time (so the host never holds more than the largest), listed in the
 manifest under its path in its pytree (`parts['layers'][3]`,
 `optimizer[0].mu['layers'][3]`) with its dtype (bf16 is stored as its bits).
-The manifest also holds the card, the step, the number of devices, the rows
-used and each group's extent. Resuming on another number of devices re-pads
-each flat array: the content up to its group's extent is the same whatever
-the split, and the padding after it stays zero (its gradient is zero, so
-AdamW leaves it there). Training draws no random numbers, so there is no RNG
-state to keep."""
+The manifest also holds the card, its groups' counts and shapes, the step,
+the number of devices, the rows used, each group's extent and the
+optimizer's settings. Resuming on another number of devices re-pads each
+flat array: the content up to its group's extent is the same whatever the
+split, and the padding after it stays zero (its gradient is zero, so AdamW
+leaves it there). Training draws no random numbers, so there is no RNG
+state to keep.
+
+A JaxCheckpointer holds its folder from its creation until close(). Resuming
+refuses a checkpoint of another card or of other shapes (a layer more or
+less), naming each difference; it follows this run's optimizer settings,
+with a note where they differ: optax keeps them in the optimizer (which is
+this run's), except those of `optax.inject_hyperparams`, which live in the
+state and are kept as this run set them."""
 
 from __future__ import annotations
 
-import warnings
+import functools
+import numbers
+import re
+import types
 from pathlib import Path
+from typing import Self
 
 import jax
 import jax.numpy as jnp
@@ -26,69 +38,158 @@ import numpy as np
 from linnet import checkpoint_folder
 
 FRAMEWORK = "jax"
+NPY_HEADER = 128  # bytes before an .npy file's data
 
 
 def _named_leaves(prefix: str, tree) -> dict[str, jax.Array]:
     return {prefix + jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _is_hyperparameter(name: str) -> bool:
+    """A setting `optax.inject_hyperparams` keeps in the state (the learning rate): this run's wins on resuming."""
+    return ".hyperparams[" in name
+
+
 class JaxCheckpointer:
-    def __init__(self, folder, card_name: str, extents: dict[str, int], rows_a_step: int, keep: int = 2):
+    """Saves a run's parts and optimizer state into `folder` and resumes from them, holding the folder (its
+    lock) from its creation until close().
+
+    description: the model's groups, counts and shapes (checkpoint_folder.model_description); steps, row_length,
+    optimizer_settings (optimizer_settings(optimizer)) and devices: what this run asked for, which a checkpoint
+    records and a resumed run compares with its own."""
+
+    def __init__(self, folder, card_name: str, extents: dict[str, int], rows_a_step: int, keep: int = 2, *,
+                 description: dict | None = None, steps: int | None = None, row_length: int | None = None,
+                 optimizer_settings: dict | None = None, devices: int | None = None):
         self.folder, self.card_name, self.extents, self.keep = Path(folder), card_name, extents, keep
-        self.rows_a_step = rows_a_step
+        self.rows_a_step, self.description, self.steps, self.row_length = rows_a_step, description, steps, row_length
+        self.optimizer_settings, self.devices = optimizer_settings, devices
+        self.hyperparameters: dict[str, float] | None = None  # this run's injected ones, before a resume
         self.manifest: dict | None = None
+        self.known: dict[str, str | None] = {}  # what was found of the folder's checkpoints
+        self.lock = checkpoint_folder.take(self.folder)
+
+    def close(self) -> None:
+        """Lets the folder go, for another run to take."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.close()
+
+    def check_room(self, parts, opt_state) -> None:
+        """Before the first step: fails now, not at the first save, if the disk cannot hold a checkpoint."""
+        checkpoint_folder.check_room(self.folder, _bytes_needed(parts, opt_state), self.known)
 
     def save(self, step: int, parts, opt_state, *, rows_consumed: int, devices: int) -> Path:
         partial = checkpoint_folder.partial_path(self.folder, step)
+        checkpoint_folder.make_room(self.folder, _bytes_needed(parts, opt_state), self.known)
         checkpoint_folder.begin(partial)
-        arrays, files = {}, []
-        leaves = {**_named_leaves("parts", parts), **_named_leaves("optimizer", opt_state)}
-        for index, (name, leaf) in enumerate(leaves.items()):
-            array = np.asarray(jax.device_get(leaf))
-            dtype = str(array.dtype)
-            if array.dtype.kind not in "fiub":  # bf16 and the like: numpy keeps their bits, not their type
-                array = array.view(f"u{array.dtype.itemsize}")
-            file = f"array-{index:05d}.npy"
-            np.save(partial / file, array)
-            del array
-            arrays[name] = {"file": file, "dtype": dtype}
-            files.append(checkpoint_folder.describe(partial / file))
-        manifest = {"framework": FRAMEWORK, "card": self.card_name, "step": step, "devices": devices,
-                    "rows_a_step": self.rows_a_step, "rows_consumed": rows_consumed, "extents": self.extents,
-                    "arrays": arrays}
-        return checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep)
+        try:
+            arrays, files = {}, []
+            leaves = {**_named_leaves("parts", parts), **_named_leaves("optimizer", opt_state)}
+            for index, (name, leaf) in enumerate(leaves.items()):
+                array = np.asarray(jax.device_get(leaf))
+                dtype = str(array.dtype)
+                if array.dtype.kind not in "fiub":  # bf16 and the like: numpy keeps their bits, not their type
+                    array = array.view(f"u{array.dtype.itemsize}")
+                file = f"array-{index:05d}.npy"
+                _write_array(partial / file, array)
+                del array
+                arrays[name] = {"file": file, "dtype": dtype}
+                files.append(checkpoint_folder.describe(partial / file))
+            manifest = {"framework": FRAMEWORK, "card": self.card_name, "step": step, "devices": devices,
+                        "rows_a_step": self.rows_a_step, "rows_consumed": rows_consumed, "extents": self.extents,
+                        "arrays": arrays, "model": self.description, "steps": self.steps,
+                        "row_length": self.row_length, "optimizer_settings": self.optimizer_settings,
+                        "hyperparameters": self._asked_hyperparameters(opt_state)}
+            return checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep, known=self.known)
+        except Exception:  # what the save wrote takes no room
+            checkpoint_folder.discard(partial)
+            raise
+
+    def _asked_hyperparameters(self, opt_state) -> dict[str, float]:
+        """The injected settings this run asked for: as they were before any step (a schedule's first value)."""
+        return self.hyperparameters if self.hyperparameters is not None else _hyperparameters(opt_state)
 
     def resume(self, parts, opt_state):
         """(step, parts, opt_state) from the newest complete checkpoint; (0, parts, opt_state) if none."""
-        folder = checkpoint_folder.latest(self.folder)
+        self.hyperparameters = _hyperparameters(opt_state)  # fresh: what this run asked for
+        folder = checkpoint_folder.latest(self.folder, self.known)
         if folder is None:
             return 0, parts, opt_state
         manifest = checkpoint_folder.read_manifest(folder)
         checkpoint_folder.check_framework(manifest, FRAMEWORK, folder)
-        if manifest["card"] != self.card_name:
-            raise ValueError(f"checkpoint {folder} holds a run of {manifest['card']}, this run is {self.card_name}: "
-                             f"point checkpoint= at another folder")
-        differ = [g for g in self.extents if manifest["extents"].get(g) != self.extents[g]]
-        if differ or manifest["extents"].keys() != self.extents.keys():
-            group = differ[0] if differ else min(manifest["extents"].keys() ^ self.extents.keys())
-            raise ValueError(f"checkpoint {folder} holds group {group} with {manifest['extents'].get(group)} elements, "
-                             f"this run's has {self.extents.get(group)}: another card configuration")
-        if manifest["rows_a_step"] != self.rows_a_step:
-            warnings.warn(f"linnet: checkpoint {folder} took {manifest['rows_a_step']} rows a step; this run takes "
-                          f"{self.rows_a_step}: the global batch changes from here on")
+        self._check_same_model(folder, manifest, parts)
+        self._check_same_optimizer_state(folder, manifest, opt_state)
+        notes = self._differences(manifest)
         parts = self._restore("parts", parts, manifest, folder)
         opt_state = self._restore("optimizer", opt_state, manifest, folder)
         self.manifest = manifest
-        print(f"linnet: resuming from {folder} (step {manifest['step']}, saved on {manifest['devices']} devices)",
-              flush=True)
+        now = f", now {self.devices}" if self.devices is not None else ""
+        checkpoint_folder.print_resumed(f"resuming from {folder} (step {manifest['step']}, saved on "
+                                        f"{manifest['devices']} devices{now})", notes)
         return manifest["step"], parts, opt_state
+
+    def _check_same_model(self, folder: Path, manifest: dict, parts) -> None:
+        """Refuses a checkpoint of another card, or of other shapes (a layer more or less), naming each difference."""
+        differences = []
+        if manifest["card"] != self.card_name:
+            differences.append(f"card: {manifest['card']} in the checkpoint, {self.card_name} in this run")
+        if manifest.get("model") is not None and self.description is not None:
+            differences += checkpoint_folder.model_differences(manifest["model"], self.description)
+        else:  # a manifest from before the shapes were recorded: the counts show in the parts' names
+            differences += _count_differences(group_counts(manifest["arrays"]), group_counts(_named_leaves("parts", parts)))
+        if not differences:
+            for group in sorted(manifest["extents"].keys() | self.extents.keys()):
+                saved, mine = manifest["extents"].get(group), self.extents.get(group)
+                if saved != mine:
+                    differences.append(f"group {group}: {saved} elements in the checkpoint, {mine} in this run")
+        if not differences:
+            differences += _name_differences("parts", manifest["arrays"], _named_leaves("parts", parts))
+        if differences:
+            raise ValueError(checkpoint_folder.does_not_fit(folder, self.card_name, differences))
+
+    @staticmethod
+    def _check_same_optimizer_state(folder: Path, manifest: dict, opt_state) -> None:
+        differences = _name_differences("optimizer", manifest["arrays"], _named_leaves("optimizer", opt_state))
+        if differences:
+            raise ValueError(f"checkpoint {folder} was written with another optimizer (its state holds other "
+                             f"arrays): {'; '.join(differences)}. Resume with the checkpoint's optimizer, or point "
+                             f"checkpoint= at another folder")
+
+    def _differences(self, manifest: dict) -> list[str]:
+        """The settings in which this run differs from the checkpoint's, as notes: this run follows its own."""
+        notes = []
+        for what, saved, mine in [("rows a step", manifest["rows_a_step"], self.rows_a_step),
+                                  ("steps", manifest.get("steps"), self.steps),
+                                  ("row length", manifest.get("row_length"), self.row_length)]:
+            if saved is not None and mine is not None and saved != mine:
+                notes.append(f"{what}: {saved} in the checkpoint, {mine} in this run")
+        for name, saved, mine in _setting_differences(manifest.get("hyperparameters"), self.hyperparameters):
+            notes.append(f"{_short_hyperparameter(name)}: {checkpoint_folder.show(saved)} in the checkpoint, "
+                         f"{checkpoint_folder.show(mine)} in this run")
+        for name, saved, mine in _setting_differences(manifest.get("optimizer_settings"), self.optimizer_settings):
+            gloss = " (minus the learning rate)" if name.split(".")[-1] == "step_size" else ""
+            notes.append(f"optax's {name}{gloss}: {checkpoint_folder.show(saved)} in the checkpoint, "
+                         f"{checkpoint_folder.show(mine)} in this run")
+        return notes
 
     def _restore(self, prefix: str, tree, manifest: dict, folder: Path):
         paths, structure = jax.tree_util.tree_flatten_with_path(tree)
-        saved = [self._saved(prefix + jax.tree_util.keystr(path), fresh, manifest, folder) for path, fresh in paths]
+        names = [prefix + jax.tree_util.keystr(path) for path, _ in paths]
         # Every array checked before any is placed: a checkpoint that does not fit leaves the run as it was.
+        saved = [None if _is_hyperparameter(name) else self._saved(name, fresh, manifest, folder)
+                 for name, (_, fresh) in zip(names, paths)]
         leaves = []
         for (_, fresh), array in zip(paths, saved):
+            if array is None:  # this run's setting, kept
+                leaves.append(fresh)
+                continue
             leaves.append(jax.device_put(array(), fresh.sharding))
             fresh.delete()  # the fresh state goes as the saved one arrives: never two copies on a device
         return jax.tree_util.tree_unflatten(structure, leaves)
@@ -96,9 +197,7 @@ class JaxCheckpointer:
     @staticmethod
     def _saved(name: str, fresh, manifest: dict, folder: Path):
         """A function that reads the saved array for `fresh`, shaped as it is; raises now if there is none."""
-        entry = manifest["arrays"].get(name)
-        if entry is None:
-            raise ValueError(f"checkpoint {folder} has no {name}: it was written with another optimizer")
+        entry = manifest["arrays"][name]  # every name was checked to be there
         mapped = np.load(folder / entry["file"], mmap_mode="r").view(jnp.dtype(entry["dtype"]))
         if mapped.dtype != fresh.dtype:
             raise ValueError(f"checkpoint {folder}: {name} is {mapped.dtype}, this run's optimizer keeps {fresh.dtype}")
@@ -106,6 +205,112 @@ class JaxCheckpointer:
             return lambda: np.array(mapped)
         _repad(mapped, fresh.shape, name, folder)  # checked now, cut again when placed
         return lambda: _repad(mapped, fresh.shape, name, folder)
+
+
+def _write_array(path: Path, array: np.ndarray) -> None:
+    """np.save through a Python file, a full or read-only disk said plainly (numpy's own words are
+    "49152 requested and 35808 written")."""
+    with checkpoint_folder.storage_errors(path, "write", array.nbytes + NPY_HEADER), open(path, "wb") as f:
+        np.save(f, array)
+
+
+def _bytes_needed(parts, opt_state) -> int:
+    """The bytes one checkpoint takes: every array whole, and its .npy header."""
+    leaves = jax.tree_util.tree_leaves((parts, opt_state))
+    return sum(leaf.nbytes + NPY_HEADER for leaf in leaves) + checkpoint_folder.HEADROOM
+
+
+def _hyperparameters(opt_state) -> dict[str, float]:
+    """The settings optax.inject_hyperparams keeps in the state, by name."""
+    return {name: float(np.asarray(leaf)) for name, leaf in _named_leaves("optimizer", opt_state).items()
+            if _is_hyperparameter(name) and np.size(leaf) == 1}
+
+
+def _short_hyperparameter(name: str) -> str:
+    """`optimizer[1].hyperparams['learning_rate']` -> `learning_rate`."""
+    match = re.search(r"\.hyperparams\['([^']+)'\]$", name)
+    return match.group(1) if match else name
+
+
+def _setting_differences(saved: dict | None, mine: dict | None) -> list[tuple[str, object, object]]:
+    if not saved or not mine:  # not recorded (an older checkpoint), or nothing to compare
+        return []
+    return [(name, saved[name], mine[name]) for name in sorted(saved.keys() & mine.keys()) if saved[name] != mine[name]]
+
+
+_GROUP_ITEM = re.compile(r"^parts\['([^']+)'\](?:\[(\d+)\])?$")
+
+
+def group_counts(names) -> dict[str, int]:
+    """How many of each group parts hold, from their names (`parts['layers'][2]`: at least 3 layers)."""
+    counts: dict[str, int] = {}
+    for name in names:
+        match = _GROUP_ITEM.match(name)
+        if match:
+            group, index = match.group(1), match.group(2)
+            counts[group] = max(counts.get(group, 0), 1 if index is None else int(index) + 1)
+    return counts
+
+
+def _count_differences(saved: dict[str, int], mine: dict[str, int]) -> list[str]:
+    differences = []
+    for group in sorted(saved.keys() | mine.keys()):
+        if saved.get(group) != mine.get(group):
+            differences.append(f"number of {group}: {saved.get(group, 0)} in the checkpoint, {mine.get(group, 0)} "
+                               f"in this run")
+    return differences
+
+
+def _name_differences(prefix: str, saved: dict, mine: dict) -> list[str]:
+    """The arrays under `prefix` that only the checkpoint, or only this run, holds (a few of each, named)."""
+    saved_names = {n for n in saved if n.startswith(prefix)}
+    differences = []
+    for where, names in [("the checkpoint", saved_names - mine.keys()), ("this run", mine.keys() - saved_names)]:
+        if names:
+            listed = ", ".join(sorted(names)[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            differences.append(f"only in {where}: {listed}")
+    return differences
+
+
+def optimizer_settings(optimizer) -> dict[str, float]:
+    """The numbers an optax optimizer was built with (b1, eps, weight_decay, step_size: minus the learning
+    rate, a schedule's values), by name, read from the closures of its update function: optax keeps them
+    there and not in its state, so a checkpoint records them for a resumed run to say which of its settings
+    changed. Best effort: the names are optax's own (a name two settings share, with other values, is
+    given with its place), and what cannot be read is left out."""
+    found: dict[str, float] = {}
+    try:
+        _closure_numbers(optimizer.update, "", found, set(), 0)
+    except Exception:  # noqa: BLE001  (an optimizer this cannot read is compared on nothing)
+        return {}
+    by_name: dict[str, set] = {}
+    for path, value in found.items():
+        by_name.setdefault(path.split(".")[-1], set()).add(value)
+    return {(path.split(".")[-1] if len(by_name[path.split(".")[-1]]) == 1 else path): value
+            for path, value in found.items()}
+
+
+def _closure_numbers(value, path: str, found: dict, seen: set, depth: int) -> None:
+    if id(value) in seen or depth > 24:
+        return
+    seen.add(id(value))
+    if isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            _closure_numbers(item, f"{path}[{index}]", found, seen, depth + 1)
+    elif isinstance(value, functools.partial):
+        _closure_numbers(value.func, path, found, seen, depth + 1)
+        _closure_numbers(value.args, f"{path}.args", found, seen, depth + 1)
+    elif isinstance(value, types.FunctionType) and value.__closure__:
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__):
+            try:
+                content = cell.cell_contents
+            except ValueError:  # a cell not filled yet
+                continue
+            where = f"{path}.{name}".lstrip(".")
+            if isinstance(content, numbers.Real) and not isinstance(content, bool):
+                found[where] = int(content) if isinstance(content, numbers.Integral) else float(content)
+            elif callable(content) or isinstance(content, (tuple, list)):
+                _closure_numbers(content, where, found, seen, depth + 1)
 
 
 def _repad(array: np.ndarray, shape: tuple, name: str, folder: Path) -> np.ndarray:

@@ -41,9 +41,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from linnet import checkpoint_folder
 from linnet.history import History, Progress, Step
 from linnet.jax import shard
-from linnet.jax.checkpoint import JaxCheckpointer
+from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
 from linnet.jax.model import JAX_DTYPES, JaxModel
 from linnet.packing import Row
 
@@ -70,12 +71,30 @@ def train(
 
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input.
     checkpoint: a folder to resume from, and to save into every `checkpoint_every` steps (if given) and after
-        the last."""
+        the last. The run holds it until it returns (another run pointed at it stops at once, naming this one),
+        and checks before its first step that it can write a checkpoint there."""
     _check(model, mesh)
+    rows_a_step = mesh.size * model.generics["Batch"]
+    layouts = shard.group_layouts(model.checked, mesh.size)
+    # The folder is checked and held before the weights are built: a run that cannot save fails at once.
+    checkpointer = None if checkpoint is None else JaxCheckpointer(
+        checkpoint, model.card.name, {g: l.extent for g, l in layouts.items()}, rows_a_step,
+        description=checkpoint_folder.model_description(model.checked), steps=steps,
+        row_length=model.generics["MaxSeq"], optimizer_settings=optimizer_settings(optimizer), devices=mesh.size)
+    try:
+        return _train(model, batches, optimizer, steps, mesh, remat, on_step, checkpointer, checkpoint_every,
+                      layouts)
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
+
+
+def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTransformation, steps: int,
+           mesh: Mesh, remat: bool, on_step: Callable[[Step], None] | None, checkpointer: JaxCheckpointer | None,
+           checkpoint_every: int | None, layouts) -> tuple[dict, History]:
     axis = mesh.axis_names[0]
     batch = model.generics["Batch"]
     rows_a_step = mesh.size * batch
-    layouts = shard.group_layouts(model.checked, mesh.size)
     stays_parts = model.weight_source is not None  # never read whole, so never made whole here
     if stays_parts:
         parts = shard.parts_from_source(model, layouts, mesh)
@@ -89,16 +108,15 @@ def train(
         history = History()
         rows: Iterator[Row] = iter(batches)
         rows_consumed = 0  # over every run that led here
-        checkpointer = None
-        if checkpoint is not None:
-            checkpointer = JaxCheckpointer(checkpoint, model.card.name, {g: l.extent for g, l in layouts.items()},
-                                           rows_a_step)
+        if checkpointer is not None:
             history.resumed_from, parts, opt_state = checkpointer.resume(parts, opt_state)
             if history.resumed_from > steps:
-                raise ValueError(f"the checkpoint in {checkpoint} is at step {history.resumed_from}, past steps={steps}")
+                raise ValueError(f"the checkpoint in {checkpointer.folder} is at step {history.resumed_from}, "
+                                 f"past steps={steps}")
             if history.resumed_from:
                 rows_consumed = checkpointer.manifest["rows_consumed"]
                 rows = itertools.islice(rows, rows_consumed, None)
+            checkpointer.check_room(parts, opt_state)
         step_function = _step_function(model, layouts, mesh, optimizer, remat,
                                        shard.placements((parts, opt_state), parts, mesh))
         placement = NamedSharding(mesh, PartitionSpec(axis))
