@@ -7,7 +7,9 @@ waiting in a collective for a rank that has stopped.
 
 runs the action on this rank (or, with first_rank_does, on the first only), then every rank learns (one all-gather) whether
 any rank failed: the failing ranks raise their own exception, the others a
-RuntimeError that names the failing ranks and their messages. A training loop
+RuntimeError that names the failing ranks and their messages (a UserError
+where each failing rank's was a user error, linnet.errors.USER_ERRORS, so
+that every rank reports it as one line). A training loop
 that already all-reduces each step counts its problems in that all-reduce and
 calls `raise_together` (no collective unless something failed). `agree_on_check`
 is the cheap one for every call: one all-reduce of one integer, and the
@@ -27,10 +29,12 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from linnet.errors import USER_ERRORS, UserError
+
 T = TypeVar("T")
 
 _CPU_GROUPS: dict[str, dist.ProcessGroup] = {}  # group name -> the Gloo group of its ranks
-_KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError)}  # raised again by name
+_KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, UserError)}  # raised again by name
 
 
 def _world() -> int:
@@ -70,6 +74,12 @@ def _describe(messages: list[str | None]) -> str:
     return "; ".join(f"rank {rank}: {message}" for rank, message in enumerate(messages) if message)
 
 
+def _kind(error: Exception) -> str:
+    """The name the other ranks know `error` by: UserError for any user error (a FolderInUse, a CardError:
+    linnet.errors.USER_ERRORS), so that it stays one on every rank; otherwise its own."""
+    return UserError.__name__ if isinstance(error, USER_ERRORS) else type(error).__name__
+
+
 def together(action: Callable[[], T], what: str, group: dist.ProcessGroup | str | None = None) -> T | None:
     """action() on this rank (None where a rank has nothing to do: pass a no-op), agreed by every rank
     of `group` (a group or its name; default: every rank)."""
@@ -77,11 +87,13 @@ def together(action: Callable[[], T], what: str, group: dist.ProcessGroup | str 
         result, error = action(), None
     except Exception as raised:  # noqa: BLE001  (every failure must reach the other ranks)
         result, error = None, raised
-    messages = _messages(None if error is None else f"{type(error).__name__}: {error}", group)
+    problems = _messages(None if error is None else (_kind(error), f"{type(error).__name__}: {error}"), group)
     if error is not None:
         raise error
-    if any(messages):
-        raise RuntimeError(f"could not {what}: {_describe(messages)}")
+    if any(problems):
+        users = all(problem[0] == UserError.__name__ for problem in problems if problem)
+        message = f"could not {what}: {_describe([problem and problem[1] for problem in problems])}"
+        raise UserError(message) if users else RuntimeError(message)
     return result
 
 
@@ -101,11 +113,11 @@ def raise_together(problem: str | None, ranks_with_problems: float, error: type[
 def agree_on_check(check: Callable[[], None], what: str, group: dist.ProcessGroup | str | None = None) -> None:
     """check() on every rank of `group` (a group or its name; default: every rank), which must all
     call this at the same point. If it raised on any rank, every rank raises the same error: of
-    the failing ranks' type where they agree on ValueError, TypeError or RuntimeError (else a
-    RuntimeError), naming each failing rank and its message; on a failing rank it is chained to
-    its own exception. Costs one all-reduce of one integer on the CPU (Gloo: no GPU
-    synchronisation); the messages are gathered only when a check failed. Under torch.compile's
-    tracing, and in one process, only check() runs."""
+    the failing ranks' type where they agree on ValueError, TypeError or RuntimeError, a UserError
+    where each raised a user error (else a RuntimeError), naming each failing rank and its
+    message; on a failing rank it is chained to its own exception. Costs one all-reduce of one
+    integer on the CPU (Gloo: no GPU synchronisation); the messages are gathered only when a
+    check failed. Under torch.compile's tracing, and in one process, only check() runs."""
     if torch.compiler.is_compiling() or not (dist.is_available() and dist.is_initialized()):
         return check()
     group = cpu_group(group)
@@ -120,7 +132,7 @@ def agree_on_check(check: Callable[[], None], what: str, group: dist.ProcessGrou
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if not failed.item():
         return
-    problems = _messages(None if error is None else (type(error).__name__, str(error)), group)
+    problems = _messages(None if error is None else (_kind(error), str(error)), group)
     kinds = {problem[0] for problem in problems if problem}
     kind = _KINDS.get(kinds.pop(), RuntimeError) if len(kinds) == 1 else RuntimeError
     agreed = kind(f"{what}: {_describe([problem and problem[1] for problem in problems])}")

@@ -4,7 +4,8 @@ A checkpoint is a folder `step-00000010/` holding one file a rank (its parts,
 its optimizer state, its RNG state) and `MANIFEST.json`, written last, with
 the step, the world size, the data position, the schedule, the layouts of the
 parts, and each file's size and SHA-256; linnet/checkpoint_folder.py makes it
-visible only when complete and picks the newest one that checks out.
+visible only when complete and picks the newest one that checks out, and
+linnet/resume_check.py compares it with the run that resumes it.
 A checkpoint resumes at another world size: the parts and the optimizer state
 are re-split from the saved parts.
 
@@ -29,8 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from linnet import checkpoint_folder
+from linnet import checkpoint_folder, folder_lock, resume_check
 from linnet.agree import first_rank_does, together
+from linnet.storage import storage_errors
 
 
 def _world() -> tuple[int, int]:
@@ -76,15 +78,14 @@ class Checkpointer:
             raise ValueError("the optimizer trains tensors that are not the model's parameters; "
                              "build it from model.parameters()")
         self.layouts = _layouts(model)
-        self.description = checkpoint_folder.model_description(model.checked)
+        self.description = resume_check.model_description(model.checked)
         # What this run asked for, kept before a resume loads the checkpoint's settings over them.
         self.asked = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
                       for group in optimizer.param_groups]
         self.fresh_schedule = copy.deepcopy(schedule.state_dict()) if schedule is not None else None
         self.manifest: dict | None = None
         self.known: dict[str, str | None] = {}  # the first rank's findings on the folder's checkpoints
-        self.lock = first_rank_does(lambda: checkpoint_folder.take(self.folder),
-                                    f"take checkpoint folder {self.folder}")
+        self.lock = first_rank_does(lambda: folder_lock.take(self.folder), f"take checkpoint folder {self.folder}")
 
     def close(self) -> None:
         """Lets the folder go, for another run to take."""
@@ -167,16 +168,16 @@ class Checkpointer:
             return 0
         folder = self.folder / choice
         manifest = checkpoint_folder.read_manifest(folder)
-        checkpoint_folder.check_framework(manifest, "torch", folder)
+        resume_check.check_framework(manifest, "torch", folder)
         self._check_same_model(folder, manifest, world)
         state = self._read(folder, manifest, rank, world)
         notes = self._differences(folder, manifest, state)
         self._load(state, manifest, follow=bool(notes))
         self.manifest = manifest
         if rank == 0:
-            checkpoint_folder.print_resumed(f"resuming from {folder} (step {manifest['step']}, saved by "
-                                            f"{manifest['world']} ranks, now {world})",
-                                            notes + _quiet_differences(manifest, self.model))
+            resume_check.print_resumed(f"resuming from {folder} (step {manifest['step']}, saved by "
+                                       f"{manifest['world']} ranks, now {world})",
+                                       notes + _quiet_differences(manifest, self.model))
         return manifest["step"]
 
     def _newest(self) -> str | None:
@@ -189,11 +190,11 @@ class Checkpointer:
         if manifest["card"] != self.model.card.name:
             differences.append(f"card: {manifest['card']} in the checkpoint, {self.model.card.name} in this run")
         if "model" in manifest:
-            differences += checkpoint_folder.model_differences(manifest["model"], self.description)
+            differences += resume_check.model_differences(manifest["model"], self.description)
         if not differences and manifest["layouts"] != self.layouts:
             differences += _layout_differences(manifest["layouts"], self.layouts, self.model.checked)
         if differences:
-            raise ValueError(checkpoint_folder.does_not_fit(folder, self.model.card.name, differences))
+            raise ValueError(resume_check.does_not_fit(folder, self.model.card.name, differences))
         if manifest["world"] != world and not self.layouts:
             raise ValueError(f"checkpoint {folder} was saved by {manifest['world']} ranks; an unsharded model "
                              f"resumes only at the same world size")
@@ -230,7 +231,7 @@ class Checkpointer:
         saved = [tuple(t.shape) for t in state["parts"]]
         if saved != shapes:  # what a manifest without the model's shapes could not tell
             first = next((i for i, (a, b) in enumerate(zip(saved, shapes)) if a != b), min(len(saved), len(shapes)))
-            raise ValueError(checkpoint_folder.does_not_fit(folder, self.model.card.name, [
+            raise ValueError(resume_check.does_not_fit(folder, self.model.card.name, [
                 f"{len(saved)} tensors in the checkpoint, {len(shapes)} in this run",
                 f"tensor {first}: {_shape_at(saved, first)} in the checkpoint, {_shape_at(shapes, first)} in this run"]))
         return state
@@ -297,7 +298,7 @@ class Checkpointer:
 
 
 def _shape_at(shapes: list[tuple], index: int) -> str:
-    return checkpoint_folder.show(list(shapes[index])) if index < len(shapes) else "none"
+    return resume_check.show(list(shapes[index])) if index < len(shapes) else "none"
 
 
 def _layouts(model) -> list[dict]:
@@ -375,8 +376,8 @@ def _optimizer_differences(saved: list[dict], asked: list[dict]) -> tuple[list[s
         where = f" (parameter group {index})" if len(asked) > 1 else ""
         for key in sorted((old.keys() & new.keys()) - IMPLEMENTATION):
             if old[key] != new[key]:
-                text = (f"{SETTING_NAMES.get(key, key)}{where}: {checkpoint_folder.show(old[key])} in the checkpoint, "
-                        f"{checkpoint_folder.show(new[key])} in this run")
+                text = (f"{SETTING_NAMES.get(key, key)}{where}: {resume_check.show(old[key])} in the checkpoint, "
+                        f"{resume_check.show(new[key])} in this run")
                 (refusals if key in CHANGES_STATE else notes).append(text)
     return refusals, notes
 
@@ -432,7 +433,7 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.
 def _write_state(state: dict, path: Path, size: int) -> None:
     """torch.save through a Python file: a full or read-only disk then fails with its errno, said plainly
     (saving to a path, torch's own writer says only "unexpected pos 108224 vs 108112")."""
-    with checkpoint_folder.storage_errors(path, "write", size), open(path, "wb") as f:
+    with storage_errors(path, "write", size), open(path, "wb") as f:
         torch.save(state, f)
 
 

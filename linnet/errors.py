@@ -8,11 +8,15 @@ Any other exception is a bug, and keeps its traceback.
     parser = ArgumentParser(...)                 # its mistakes are user errors too
     raise UserError(f"{path}:{line}: the row has no 'output'")
 
-Which exceptions count, deliberately: `UserError`, and the card language's `CardError` (a mistake in a
-card, `path:line: message`) and `GenericsError` (generics that do not match a card). A plain ValueError,
-KeyError or RuntimeError is not one: raised deep inside, it may be a bug, and its traceback is the
-clue. Under torchrun every rank finds the same mistake (they read the same options and files); the first
-says it and exits, the others wait silently until torchrun stops them, and torchrun adds its summary."""
+Which exceptions count, deliberately: `UserError`; the card language's `CardError` (a mistake in a
+card, `path:line: message`) and `GenericsError` (generics that do not match a card); and the checkpoint
+folder's `FolderInUse` (another run holds it), `DamagedCheckpoints` (every checkpoint in it is damaged)
+and `StorageError` (it is not a directory, read-only or full), each of which says what to do. A plain
+ValueError, KeyError or RuntimeError is not one: raised deep inside, it may be a bug, and its traceback
+is the clue. Under torchrun every rank finds the same mistake (they read the same options and files); the
+first says it and exits, the others wait silently until torchrun stops them, and torchrun adds its
+summary. A mistake that one rank alone finds (the first takes the checkpoint folder) reaches the others
+through linnet.agree as a UserError naming it, so that it stays one line there too."""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ import sys
 import time
 
 from linnet.cardlang.errors import CardError, GenericsError
+from linnet.checkpoint_folder import DamagedCheckpoints
+from linnet.folder_lock import FolderInUse
+from linnet.storage import StorageError
 
 __all__ = ["USER_ERRORS", "ArgumentParser", "UserError", "at_least", "exit_on_user_error", "first_process"]
 
@@ -36,7 +43,7 @@ class UserError(ValueError):
     that code catching ValueError for bad input catches it too."""
 
 
-USER_ERRORS = (UserError, CardError, GenericsError)
+USER_ERRORS = (UserError, CardError, GenericsError, FolderInUse, DamagedCheckpoints, StorageError)
 
 
 def first_process() -> bool:

@@ -25,9 +25,11 @@ import torch
 
 from distributed import run
 from linnet import checkpoint_folder as cf
-from linnet import nest
+from linnet import folder_lock, nest, storage
 from linnet.checkpoint import Checkpointer
+from linnet.folder_lock import LOCK, FolderInUse
 from linnet.packing import Example, pack
+from linnet.storage import StorageError
 
 LIMIT_S = 300
 ROW = 64
@@ -104,7 +106,7 @@ def a_dead_pid() -> int:
 
 def write_lock(folder: Path, **record) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / cf.LOCK).write_text(json.dumps({"host": socket.gethostname(), "started": "2024-01-01T00:00:00",
+    (folder / LOCK).write_text(json.dumps({"host": socket.gethostname(), "started": "2024-01-01T00:00:00",
                                               **record}))
 
 
@@ -122,23 +124,23 @@ def checkpointer(folder: Path, model) -> Checkpointer:
 def test_a_second_checkpointer_on_the_folder_is_refused_until_the_first_closes(tmp_path, model):
     folder = tmp_path / "ckpt"
     first = checkpointer(folder, model)
-    with pytest.raises(cf.FolderInUse) as refused:
+    with pytest.raises(FolderInUse) as refused:
         checkpointer(folder, model)
     message = str(refused.value)
     assert str(folder) in message and f"pid {os.getpid()} on {socket.gethostname()}" in message
     assert "this process: close() the Checkpointer" in message
     first.close()
-    assert not (folder / cf.LOCK).exists()  # released: the lock file goes
+    assert not (folder / LOCK).exists()  # released: the lock file goes
     with checkpointer(folder, model):
-        assert json.loads((folder / cf.LOCK).read_text())["pid"] == os.getpid()
-    assert not (folder / cf.LOCK).exists()
+        assert json.loads((folder / LOCK).read_text())["pid"] == os.getpid()
+    assert not (folder / LOCK).exists()
 
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from linnet import checkpoint_folder
-lock = checkpoint_folder.take(Path(sys.argv[1]))
+from linnet import folder_lock
+lock = folder_lock.take(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(300)
 """
@@ -150,7 +152,7 @@ def test_a_live_run_in_another_process_is_named_and_its_lock_taken_over_once_it_
     try:
         assert holder.stdout.readline().strip() == "held"
         in_use = rf"{re.escape(str(folder))} is in use by another run \(pid {holder.pid} on "
-        with pytest.raises(cf.FolderInUse, match=in_use):
+        with pytest.raises(FolderInUse, match=in_use):
             checkpointer(folder, model)
     finally:
         holder.kill()  # SIGKILL: no chance to release; the kernel lets go of its flock
@@ -166,7 +168,7 @@ def test_a_lock_naming_a_process_that_does_not_exist_is_taken_over(tmp_path, mod
     dead = a_dead_pid()
     write_lock(folder, pid=dead)
     with checkpointer(folder, model):
-        assert json.loads((folder / cf.LOCK).read_text())["pid"] == os.getpid()
+        assert json.loads((folder / LOCK).read_text())["pid"] == os.getpid()
     out = capsys.readouterr().out
     assert f"taking over checkpoint folder {folder} from pid {dead} on {socket.gethostname()}" in out
 
@@ -177,7 +179,7 @@ def test_a_lock_naming_a_live_process_of_this_machine_is_refused_without_flock_t
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
         write_lock(folder, pid=sleeper.pid)
-        with pytest.raises(cf.FolderInUse, match=rf"pid {sleeper.pid} on .*if that run is over, delete .*LOCK"):
+        with pytest.raises(FolderInUse, match=rf"pid {sleeper.pid} on .*if that run is over, delete .*LOCK"):
             checkpointer(folder, model)
     finally:
         sleeper.kill()
@@ -193,8 +195,8 @@ def test_a_lock_of_another_machine_counts_on_flock(tmp_path, model, monkeypatch,
         pass
     assert "from pid 1 on another-machine" in capsys.readouterr().out
     write_lock(folder, host="another-machine", pid=1)
-    monkeypatch.setattr(cf, "_flock", lambda fd: None)  # a file system without flock: nothing can tell
-    with pytest.raises(cf.FolderInUse, match="pid 1 on another-machine"):
+    monkeypatch.setattr(folder_lock, "_flock", lambda fd: None)  # a file system without flock: nothing can tell
+    with pytest.raises(FolderInUse, match="pid 1 on another-machine"):
         checkpointer(folder, model)
 
 
@@ -207,14 +209,15 @@ def hold_at_every_rank(rank: int, world: int, folder: str) -> str:
 
 
 def test_every_rank_learns_that_the_folder_is_held(tmp_path):
+    """As a user error on every rank (one line in the examples), naming the first rank's FolderInUse."""
     folder = tmp_path / "ckpt"
-    lock = cf.take(folder)
+    lock = folder_lock.take(folder)
     try:
         first, second = run(hold_at_every_rank, 2, str(folder), timeout=120)
     finally:
         lock.release()
     assert first.startswith(f"FolderInUse: checkpoint folder {folder} is in use by another run (pid {os.getpid()}")
-    assert second.startswith("RuntimeError: could not take checkpoint folder") and "rank 0: FolderInUse" in second
+    assert second.startswith("UserError: could not take checkpoint folder") and "rank 0: FolderInUse" in second
 
 
 def test_train_lets_the_folder_go_however_it_ends(tmp_path, model):
@@ -223,7 +226,7 @@ def test_train_lets_the_folder_go_however_it_ends(tmp_path, model):
     assert names(folder) == ["step-00000001", "step-00000002"]  # no lock left
     with pytest.raises(ValueError, match="past steps=1"):
         torch_run(folder, 1)
-    assert cf.LOCK not in names(folder)
+    assert LOCK not in names(folder)
     with checkpointer(folder, model):
         pass
 
@@ -233,12 +236,12 @@ def test_a_jax_checkpointer_holds_its_folder_too(tmp_path):
 
     folder = tmp_path / "ckpt"
     first = JaxCheckpointer(folder, "tiny-llama", {}, 1)
-    with pytest.raises(cf.FolderInUse, match=f"{re.escape(str(folder))} is in use by another run"):
+    with pytest.raises(FolderInUse, match=f"{re.escape(str(folder))} is in use by another run"):
         JaxCheckpointer(folder, "tiny-llama", {}, 1)
     first.close()
     with JaxCheckpointer(folder, "tiny-llama", {}, 1):
-        assert (folder / cf.LOCK).exists()
-    assert not (folder / cf.LOCK).exists()
+        assert (folder / LOCK).exists()
+    assert not (folder / LOCK).exists()
 
 
 # A folder whose checkpoints are all damaged.
@@ -283,7 +286,7 @@ def test_every_rank_stops_on_a_folder_of_damaged_checkpoints(tmp_path):
     damage_all(folder)
     first, second = run(resume_damaged, 2, str(folder), timeout=120)
     assert first.startswith(f"DamagedCheckpoints: every checkpoint in {folder} is damaged")
-    assert second.startswith("RuntimeError: could not find the newest checkpoint")
+    assert second.startswith("UserError: could not find the newest checkpoint")
     assert "rank 0: DamagedCheckpoints" in second
 
 
@@ -304,7 +307,7 @@ def test_a_file_where_the_folder_should_be_fails_before_the_first_step(tmp_path,
     blocker.write_text("not a folder")
     for folder in (blocker, blocker / "under"):
         not_a_directory = f"checkpoint folder {re.escape(str(folder))} is not a directory"
-        with pytest.raises(cf.StorageError, match=not_a_directory) as failed:
+        with pytest.raises(StorageError, match=not_a_directory) as failed:
             checkpointer(folder, model)
         assert failed.value.errno == errno.ENOTDIR
     assert blocker.read_text() == "not a folder"
@@ -319,9 +322,9 @@ def test_a_read_only_folder_fails_before_the_first_step(tmp_path, monkeypatch):
             def read_only(path):
                 raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-            monkeypatch.setattr(cf, "_write_probe", read_only)
+            monkeypatch.setattr(storage, "_write_probe", read_only)
         steps = []
-        with pytest.raises(cf.StorageError, match="read-only") as failed:
+        with pytest.raises(StorageError, match="read-only") as failed:
             torch_run(folder, 2, on_step=steps.append)
         assert str(folder) in str(failed.value) and failed.value.errno in (errno.EROFS, errno.EACCES) and steps == []
     finally:
@@ -333,7 +336,7 @@ def test_a_full_disk_fails_before_the_first_step(tmp_path, monkeypatch):
     folder = tmp_path / "ckpt"
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))
     steps = []
-    with pytest.raises(cf.StorageError, match=rf"no space left on device for checkpoints in {re.escape(str(folder))}: "
+    with pytest.raises(StorageError, match=rf"no space left on device for checkpoints in {re.escape(str(folder))}: "
                                               rf"a checkpoint needs [\d.]+ GB, 1e-06 GB free") as failed:
         torch_run(folder, 2, on_step=steps.append)
     assert failed.value.errno == errno.ENOSPC and steps == [] and names(folder) == []
@@ -350,7 +353,7 @@ def test_a_write_that_fails_for_a_full_or_read_only_disk_says_so(tmp_path, monke
         monkeypatch.setattr(torch, "save", fail)
         folder = tmp_path / f"ckpt-{code}"
         path = folder / "step-00000001.partial" / "rank-00000-of-00001.pt"
-        with pytest.raises(cf.StorageError, match=f"{said} {re.escape(str(path))}"):
+        with pytest.raises(StorageError, match=f"{said} {re.escape(str(path))}"):
             torch_run(folder, 1)
         assert names(folder) == []  # what the failed save wrote is gone
 
@@ -366,7 +369,7 @@ def test_a_full_disk_is_named_when_the_writer_only_counts_bytes(tmp_path, monkey
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 108224 vs 108112")
 
     monkeypatch.setattr(torch, "save", unexpected_pos)
-    with pytest.raises(cf.StorageError, match=r"no space left on device: could not write .*rank-00000-of-00001.pt "
+    with pytest.raises(StorageError, match=r"no space left on device: could not write .*rank-00000-of-00001.pt "
                                               r"\(0 GB free\)") as failed:
         torch_run(tmp_path / "torch", 1)
     assert "unexpected pos" in str(failed.value.__cause__)
@@ -377,7 +380,7 @@ def test_a_full_disk_is_named_when_the_writer_only_counts_bytes(tmp_path, monkey
 
     full.clear()
     monkeypatch.setattr(np, "save", requested_and_written)
-    with pytest.raises(cf.StorageError, match=r"no space left on device: could not write .*array-00000.npy"):
+    with pytest.raises(StorageError, match=r"no space left on device: could not write .*array-00000.npy"):
         jax_run(tmp_path / "jax", 1)
     assert names(tmp_path / "jax") == []
 
@@ -387,7 +390,7 @@ def test_a_real_full_device_is_named(tmp_path, monkeypatch):
     import linnet.checkpoint
 
     monkeypatch.setattr(linnet.checkpoint, "_rank_file", lambda rank, world: "/dev/full")  # partial / it: itself
-    with pytest.raises(cf.StorageError, match="no space left on device: could not write /dev/full") as failed:
+    with pytest.raises(StorageError, match="no space left on device: could not write /dev/full") as failed:
         torch_run(tmp_path / "ckpt", 1)
     assert failed.value.__cause__.errno == errno.ENOSPC
 
@@ -407,7 +410,7 @@ def test_a_save_makes_room_by_deleting_the_oldest_checkpoint_first(tmp_path, mon
 
     monkeypatch.setattr(torch, "save", save)
     torch_run(folder, 5)
-    assert seen == [[cf.LOCK, "step-00000004", "step-00000005.partial"]]  # step 3 went before step 5 was written
+    assert seen == [[LOCK, "step-00000004", "step-00000005.partial"]]  # step 3 went before step 5 was written
     assert names(folder) == ["step-00000004", "step-00000005"]
     assert f"removing {folder / 'step-00000003'} to make room for the next checkpoint" in capsys.readouterr().out
 
@@ -419,7 +422,7 @@ def test_a_disk_too_full_even_without_the_older_checkpoints_fails_before_the_fir
     capacity = du(folder) + 1000
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(capacity, du(folder), capacity - du(folder)))
     steps = []
-    with pytest.raises(cf.StorageError, match=r"a checkpoint needs [\d.e-]+ GB, [\d.e-]+ GB free \(and [\d.e-]+ GB "
+    with pytest.raises(StorageError, match=r"a checkpoint needs [\d.e-]+ GB, [\d.e-]+ GB free \(and [\d.e-]+ GB "
                                               r"in older checkpoints that could go\)"):
         torch_run(folder, 6, on_step=steps.append)
     assert steps == [] and snapshot(folder) == before  # nothing deleted in vain
@@ -435,6 +438,6 @@ def test_the_newest_good_checkpoint_is_never_deleted_to_make_room(tmp_path, monk
                         lambda path: Usage(10**6, 0, 1500 if (tmp_path / "step-00000001").exists() else 2500))
     cf.make_room(tmp_path, 2000)
     assert names(tmp_path) == ["step-00000002"]
-    with pytest.raises(cf.StorageError, match="no space left on device"):
+    with pytest.raises(StorageError, match="no space left on device"):
         cf.make_room(tmp_path, 3000)
     assert names(tmp_path) == ["step-00000002"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from linnet import cards, nest, userdata
+from linnet import cards, folder_lock, nest, userdata
 from linnet.errors import USER_ERRORS, ArgumentParser, UserError, at_least
 from linnet.packing import Example, pack
 
@@ -226,6 +226,23 @@ def test_another_rank_lets_the_first_speak():
                        env={"RANK": "1"})
     assert (alone.returncode, alone.stderr) == (2, "error (rank 1): bad --steps\n")
     assert time.monotonic() - started < 60
+
+
+TAKE = ("from pathlib import Path\nfrom linnet import folder_lock\nfrom linnet.errors import exit_on_user_error\n"
+        "exit_on_user_error()\nfolder_lock.take(Path({!r}))\n")
+
+
+def test_a_second_run_on_a_held_checkpoint_folder_is_one_line_and_status_2(tmp_path):
+    """The checkpoint folder's errors (FolderInUse, DamagedCheckpoints, StorageError) are user errors: a run
+    on a folder that a live run holds is refused in one line, as the examples' Checkpointer would be."""
+    folder = tmp_path / "run"
+    lock = folder_lock.take(folder)
+    try:
+        said = run_python(TAKE.format(str(folder)))
+    finally:
+        lock.release()
+    assert (said.returncode, said.stdout, said.stderr.count("\n")) == (2, "", 1), said.stderr
+    assert said.stderr.startswith(f"error: checkpoint folder {folder} is in use by another run (pid {os.getpid()} on ")
 
 
 # The scripts.

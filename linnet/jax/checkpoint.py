@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet import checkpoint_folder
+from linnet import checkpoint_folder, folder_lock, resume_check
+from linnet.storage import storage_errors
 
 FRAMEWORK = "jax"
 NPY_HEADER = 128  # bytes before an .npy file's data
@@ -54,7 +55,7 @@ class JaxCheckpointer:
     """Saves a run's parts and optimizer state into `folder` and resumes from them, holding the folder (its
     lock) from its creation until close().
 
-    description: the model's groups, counts and shapes (checkpoint_folder.model_description); steps, row_length,
+    description: the model's groups, counts and shapes (resume_check.model_description); steps, row_length,
     optimizer_settings (optimizer_settings(optimizer)) and devices: what this run asked for, which a checkpoint
     records and a resumed run compares with its own."""
 
@@ -67,7 +68,7 @@ class JaxCheckpointer:
         self.hyperparameters: dict[str, float] | None = None  # this run's injected ones, before a resume
         self.manifest: dict | None = None
         self.known: dict[str, str | None] = {}  # what was found of the folder's checkpoints
-        self.lock = checkpoint_folder.take(self.folder)
+        self.lock = folder_lock.take(self.folder)
 
     def close(self) -> None:
         """Lets the folder go, for another run to take."""
@@ -123,7 +124,7 @@ class JaxCheckpointer:
         if folder is None:
             return 0, parts, opt_state
         manifest = checkpoint_folder.read_manifest(folder)
-        checkpoint_folder.check_framework(manifest, FRAMEWORK, folder)
+        resume_check.check_framework(manifest, FRAMEWORK, folder)
         self._check_same_model(folder, manifest, parts)
         self._check_same_optimizer_state(folder, manifest, opt_state)
         notes = self._differences(manifest)
@@ -131,8 +132,8 @@ class JaxCheckpointer:
         opt_state = self._restore("optimizer", opt_state, manifest, folder)
         self.manifest = manifest
         now = f", now {self.devices}" if self.devices is not None else ""
-        checkpoint_folder.print_resumed(f"resuming from {folder} (step {manifest['step']}, saved on "
-                                        f"{manifest['devices']} devices{now})", notes)
+        resume_check.print_resumed(f"resuming from {folder} (step {manifest['step']}, saved on "
+                                   f"{manifest['devices']} devices{now})", notes)
         return manifest["step"], parts, opt_state
 
     def _check_same_model(self, folder: Path, manifest: dict, parts) -> None:
@@ -141,7 +142,7 @@ class JaxCheckpointer:
         if manifest["card"] != self.card_name:
             differences.append(f"card: {manifest['card']} in the checkpoint, {self.card_name} in this run")
         if manifest.get("model") is not None and self.description is not None:
-            differences += checkpoint_folder.model_differences(manifest["model"], self.description)
+            differences += resume_check.model_differences(manifest["model"], self.description)
         else:  # a manifest from before the shapes were recorded: the counts show in the parts' names
             differences += _count_differences(group_counts(manifest["arrays"]), group_counts(_named_leaves("parts", parts)))
         if not differences:
@@ -152,7 +153,7 @@ class JaxCheckpointer:
         if not differences:
             differences += _name_differences("parts", manifest["arrays"], _named_leaves("parts", parts))
         if differences:
-            raise ValueError(checkpoint_folder.does_not_fit(folder, self.card_name, differences))
+            raise ValueError(resume_check.does_not_fit(folder, self.card_name, differences))
 
     @staticmethod
     def _check_same_optimizer_state(folder: Path, manifest: dict, opt_state) -> None:
@@ -171,12 +172,12 @@ class JaxCheckpointer:
             if saved is not None and mine is not None and saved != mine:
                 notes.append(f"{what}: {saved} in the checkpoint, {mine} in this run")
         for name, saved, mine in _setting_differences(manifest.get("hyperparameters"), self.hyperparameters):
-            notes.append(f"{_short_hyperparameter(name)}: {checkpoint_folder.show(saved)} in the checkpoint, "
-                         f"{checkpoint_folder.show(mine)} in this run")
+            notes.append(f"{_short_hyperparameter(name)}: {resume_check.show(saved)} in the checkpoint, "
+                         f"{resume_check.show(mine)} in this run")
         for name, saved, mine in _setting_differences(manifest.get("optimizer_settings"), self.optimizer_settings):
             gloss = " (minus the learning rate)" if name.split(".")[-1] == "step_size" else ""
-            notes.append(f"optax's {name}{gloss}: {checkpoint_folder.show(saved)} in the checkpoint, "
-                         f"{checkpoint_folder.show(mine)} in this run")
+            notes.append(f"optax's {name}{gloss}: {resume_check.show(saved)} in the checkpoint, "
+                         f"{resume_check.show(mine)} in this run")
         return notes
 
     def _restore(self, prefix: str, tree, manifest: dict, folder: Path):
@@ -210,7 +211,7 @@ class JaxCheckpointer:
 def _write_array(path: Path, array: np.ndarray) -> None:
     """np.save through a Python file, a full or read-only disk said plainly (numpy's own words are
     "49152 requested and 35808 written")."""
-    with checkpoint_folder.storage_errors(path, "write", array.nbytes + NPY_HEADER), open(path, "wb") as f:
+    with storage_errors(path, "write", array.nbytes + NPY_HEADER), open(path, "wb") as f:
         np.save(f, array)
 
 

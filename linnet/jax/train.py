@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from linnet import checkpoint_folder
+from linnet import resume_check
 from linnet.history import History, Progress, Step
 from linnet.jax import shard
 from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
@@ -79,7 +79,7 @@ def train(
     # The folder is checked and held before the weights are built: a run that cannot save fails at once.
     checkpointer = None if checkpoint is None else JaxCheckpointer(
         checkpoint, model.card.name, {g: l.extent for g, l in layouts.items()}, rows_a_step,
-        description=checkpoint_folder.model_description(model.checked), steps=steps,
+        description=resume_check.model_description(model.checked), steps=steps,
         row_length=model.generics["MaxSeq"], optimizer_settings=optimizer_settings(optimizer), devices=mesh.size)
     try:
         return _train(model, batches, optimizer, steps, mesh, remat, on_step, checkpointer, checkpoint_every,
