@@ -378,7 +378,7 @@ def test_clear_errors(card):
     with pytest.raises(RuntimeError, match="needs a process group"):
         fully_shard(load(card))
     twice, uncast, policy = run(calls_fully_shard_badly, 1, card)[0]
-    assert "already sharded" in twice and "cast_dtype=True" in uncast and 'recompute must be "gather" or "full"' in policy
+    assert "already sharded" in twice and "cast_dtype=True" in uncast and 'recompute must be "gather", "matmuls" or "full"' in policy
     with pytest.raises(ValueError, match="group Head has 80 elements: split over 64 ranks"):
         _check_split(GroupLayout("Head", ("norm",), ((80,),), (0,), 1024, 16), 64)
 
