@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from linnet import storage
 from linnet.errors import UserError
 from linnet.packing import Row
 
@@ -140,22 +141,24 @@ def warmup_steps(warmup: int | None, steps: int, default: int = 3) -> int:
     return warmup
 
 
-def check_out_folder(path: str | os.PathLike | None) -> None:
+def check_out_folder(path: str | os.PathLike | None, card=None) -> None:
     """Raises unless the trained weights can be written to the folder `path` (None: nothing to check):
-    it is a folder or can be made one, and it and the folder beside it, where the files are first
-    written, take a new file. Under torch.distributed the first rank checks (it alone writes), and
+    it is a folder or can be made one, it and the folder beside it, where the files are first
+    written, take a new file, and, given the `card` (a name, path or Card), its disk has room for the
+    card's weights in bf16. Under torch.distributed the first rank checks (it alone writes), and
     every rank raises what it found, so that all stop together before the first step."""
     if path is None:
         return
+    needed = None if card is None else _bf16_bytes(card)
     dist = sys.modules.get("torch.distributed")
     if dist is None or not (dist.is_available() and dist.is_initialized()):
-        return _check_out_folder(Path(path))
+        return _check_out_folder(Path(path), needed)
     from linnet.agree import cpu_group
 
     problem = [None]
     if dist.get_rank() == 0:
         try:
-            _check_out_folder(Path(path))
+            _check_out_folder(Path(path), needed)
         except UserError as error:
             problem = [str(error)]
     dist.broadcast_object_list(problem, src=0, group=cpu_group())
@@ -163,7 +166,16 @@ def check_out_folder(path: str | os.PathLike | None) -> None:
         raise UserError(problem[0])
 
 
-def _check_out_folder(folder: Path) -> None:
+def _bf16_bytes(card) -> int:
+    import math
+
+    from linnet import nest
+    from linnet.weights import weight_specs
+
+    return 2 * sum(math.prod(spec.shape) for spec in weight_specs(nest.resolve(card).checked()))
+
+
+def _check_out_folder(folder: Path, needed: int | None = None) -> None:
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--out {folder} is a file, not a folder: give a folder for the trained weights")
     # The files are written in a folder made beside `folder`, then moved in: both places must take a file.
@@ -177,3 +189,6 @@ def _check_out_folder(folder: Path) -> None:
         except OSError as error:
             raise UserError(f"--out {folder} cannot be written: {existing} does not take a new file "
                             f"({error.strerror or error}); give a folder you can write to") from None
+    if needed is not None and storage.free_space(folder) < needed:
+        raise UserError(f"--out {folder}: no space left for the trained weights: they need {storage.gb(needed)} in bf16, "
+                        f"and {storage.gb(storage.free_space(folder))} is free there; free some or give another folder")

@@ -128,6 +128,14 @@ def test_the_default_warmup_fits_a_short_run_and_a_given_one_is_checked():
     assert raises(userdata.warmup_steps, 5, 5).startswith("--warmup 5 must be less than --steps 5")
 
 
+def test_out_needs_room_for_the_cards_weights(tmp_path, monkeypatch):
+    userdata.check_out_folder(tmp_path / "weights", "tiny-llama")
+    monkeypatch.setattr(userdata.storage, "free_space", lambda path: 10_000)
+    message = raises(userdata.check_out_folder, tmp_path / "weights", "tiny-llama")
+    assert message.startswith(f"--out {tmp_path / 'weights'}: no space left for the trained weights: they need ")
+    assert "GB in bf16, and 1e-05 GB is free there" in message
+
+
 def test_out_is_checked_without_leaving_anything(tmp_path):
     for fine in (tmp_path / "new" / "weights", tmp_path):
         userdata.check_out_folder(fine)

@@ -47,7 +47,7 @@ parser.add_argument("--out", default=None, help="write the trained weights here 
 args = parser.parse_args()
 TOKENS = args.tokens  # positions in a packed row
 warmup = userdata.warmup_steps(args.warmup, args.steps)
-userdata.check_out_folder(args.out)  # now, rather than after training
+userdata.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
 
 tokenizer = nest.tokenizer(args.card)
 

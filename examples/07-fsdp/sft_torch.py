@@ -48,7 +48,7 @@ rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 if cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-userdata.check_out_folder(args.out)  # now, rather than after training
+userdata.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
 tokenizer = nest.tokenizer(args.card)
 
 
