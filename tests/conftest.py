@@ -1,7 +1,11 @@
-"""Test settings: the tests folder is importable (its helpers), warnings stay quiet."""
+"""Test settings: the tests folder is importable (its helpers), warnings stay quiet, and a module that
+sets LIMIT_S has each of its tests bounded by that many seconds."""
 
 import os
+import signal
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,3 +13,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def bounded(request):
+    """In a module that sets LIMIT_S, each test fails, rather than hangs, past LIMIT_S seconds
+    (SIGALRM: there is no pytest-timeout)."""
+    limit = getattr(request.module, "LIMIT_S", None)
+    if limit is None:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the test ran past {limit} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(limit)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

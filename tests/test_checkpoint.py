@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,27 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from distributed import run
 from safetensors.torch import load_file
 
-from distributed import run
 from linnet import nest
 from linnet.packing import Example, Row, pack
 
 DRIVER = Path(__file__).parent / "train_driver.py"
 LIMIT_S = 1800  # the longest test starts three torchruns of at most 600 s each
-
-
-@pytest.fixture(autouse=True)
-def bounded():
-    """Each test here fails, rather than hangs, past LIMIT_S seconds (SIGALRM: there is no pytest-timeout)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"the test ran past {LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(LIMIT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def torchrun(out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -6,27 +6,13 @@ overwritten."""
 from __future__ import annotations
 
 import json
-import signal
 import warnings
 
 import pytest
 
 from linnet import checkpoint_folder as cf
 
-LIMIT_S = 60
-
-
-@pytest.fixture(autouse=True)
-def bounded():
-    """Each test here fails, rather than hangs, past LIMIT_S seconds (SIGALRM: there is no pytest-timeout)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"the test ran past {LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(LIMIT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+LIMIT_S = 60  # seconds a test here may take (tests/conftest.py's bounded)
 
 
 def save(folder, step: int, payload: bytes = b"state", keep: int = 2):

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from distributed import run
+
 from linnet import checkpoint_folder as cf
 from linnet import folder_lock, nest, storage
 from linnet.checkpoint import Checkpointer
@@ -31,21 +30,8 @@ from linnet.folder_lock import LOCK, FolderInUse
 from linnet.packing import Example, pack
 from linnet.storage import StorageError
 
-LIMIT_S = 300
+LIMIT_S = 300  # seconds a test here may take (tests/conftest.py's bounded)
 ROW = 64
-
-
-@pytest.fixture(autouse=True)
-def bounded():
-    """Each test here fails, rather than hangs, past LIMIT_S seconds (SIGALRM: there is no pytest-timeout)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"the test ran past {LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(LIMIT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def rows(count: int = 40, vocab: int = 512) -> list:

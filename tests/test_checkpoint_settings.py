@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 from pathlib import Path
 
 import jax
@@ -18,29 +17,16 @@ import numpy as np
 import optax
 import pytest
 import torch
-from jax.sharding import Mesh
-
 from distributed import run
 from hf_models import BASE, write_card
+from jax.sharding import Mesh
+
 from linnet import nest
 from linnet.packing import Example, pack
 
-LIMIT_S = 300
+LIMIT_S = 300  # seconds a test here may take (tests/conftest.py's bounded)
 ROW = 64
 VOCAB = BASE["vocab_size"]
-
-
-@pytest.fixture(autouse=True)
-def bounded():
-    """Each test here fails, rather than hangs, past LIMIT_S seconds (SIGALRM: there is no pytest-timeout)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"the test ran past {LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(LIMIT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module")
