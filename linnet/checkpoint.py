@@ -24,7 +24,6 @@ import copy
 import random
 import warnings
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 import torch
@@ -61,7 +60,7 @@ def _rank_file(rank: int, world: int) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.pt"
 
 
-class Checkpointer:
+class Checkpointer(folder_lock.HoldsFolder):
     """Saves a run's state into `folder` and resumes from it. It holds the folder from its creation (every rank
     creates it, the first takes the folder's lock) until close(); `with Checkpointer(...) as checkpointer:`
     closes it too. steps: the run's planned steps, which a resumed run compares with its own."""
@@ -86,18 +85,6 @@ class Checkpointer:
         self.manifest: dict | None = None
         self.known: dict[str, str | None] = {}  # the first rank's findings on the folder's checkpoints
         self.lock = first_rank_does(lambda: folder_lock.take(self.folder), f"take checkpoint folder {self.folder}")
-
-    def close(self) -> None:
-        """Lets the folder go, for another run to take."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exception) -> None:
-        self.close()
 
     # Room on the disk.
 

@@ -21,6 +21,7 @@ import socket
 import warnings
 from datetime import datetime
 from pathlib import Path
+from typing import Self
 
 from linnet.storage import check_writable_directory, storage_errors
 
@@ -41,6 +42,25 @@ def take(folder: Path) -> FolderLock:
     write into, and takes it for this run. Raises StorageError or FolderInUse, naming the folder."""
     check_writable_directory(folder)
     return FolderLock.take(folder)
+
+
+class HoldsFolder:
+    """A checkpointer's hold on its folder, as both frameworks' share it: `self.lock` is its FolderLock (None
+    on a rank that does not hold it), and close(), or leaving a `with` block, lets the folder go."""
+
+    lock: FolderLock | None = None
+
+    def close(self) -> None:
+        """Lets the folder go, for another run to take."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.close()
 
 
 class FolderLock:

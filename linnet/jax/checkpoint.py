@@ -29,7 +29,6 @@ import numbers
 import re
 import types
 from pathlib import Path
-from typing import Self
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ def _is_hyperparameter(name: str) -> bool:
     return ".hyperparams[" in name
 
 
-class JaxCheckpointer:
+class JaxCheckpointer(folder_lock.HoldsFolder):
     """Saves a run's parts and optimizer state into `folder` and resumes from them, holding the folder (its
     lock) from its creation until close().
 
@@ -69,18 +68,6 @@ class JaxCheckpointer:
         self.manifest: dict | None = None
         self.known: dict[str, str | None] = {}  # what was found of the folder's checkpoints
         self.lock = folder_lock.take(self.folder)
-
-    def close(self) -> None:
-        """Lets the folder go, for another run to take."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exception) -> None:
-        self.close()
 
     def check_room(self, parts, opt_state) -> None:
         """Before the first step: fails now, not at the first save, if the disk cannot hold a checkpoint."""
