@@ -107,9 +107,31 @@ def machine() -> dict:
                              timeout=30).stdout.strip().splitlines()
     except (OSError, subprocess.TimeoutExpired):
         gpu = []
-    import torch
+    from importlib import metadata
 
-    return dict(date=datetime.date.today().isoformat(), gpus=gpu, torch=torch.__version__, python=platform.python_version())
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return dict(date=datetime.date.today().isoformat(), gpus=gpu, python=platform.python_version(),
+                **{package: version(package) for package in VERSIONED})
+
+
+VERSIONED = ("torch", "transformers", "jax", "trl", "accelerate")
+NOTES = """\
+- Every system but the ceiling trains on the same packed rows (about 130 instruction documents a
+  4096-token row, none attending to another) from the same initial weights, and is measured on the
+  same held-out rows. Linnet's flex attention (PyTorch) skips the blocks across documents. transformers' SDPA
+  (FSDP2, TRL) builds a dense block-diagonal mask from the rows' positions and runs a masked kernel
+  over the whole row: the image has no flash-attn, whose varlen kernel TRL recommends.
+- The ceiling (benchmarks/peers/plain_ceiling.py) is transformers' Llama compiled whole, with no
+  sharding, on random tokens, each row one causal document: it has no held-out loss, and its
+  attention does the whole causal triangle, more than a packed row's documents need.
+- TRL reduces gradients in bf16 (accelerate's FSDP2 mixed precision); the others in f32.
+  benchmarks/peers/TRL.md lists every deviation from TRL's own FSDP2 example.
+"""
 
 
 def render(out: Path) -> tuple[str, Path | None]:
@@ -117,7 +139,7 @@ def render(out: Path) -> tuple[str, Path | None]:
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("*/*.json"))]
     about = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
     lines = [f"Measured {about.get('date', '?')} on {', '.join(about.get('gpus', [])) or '?'} "
-             f"(torch {about.get('torch', '?')}){about.get('setting', '')}.", ""]
+             f"({', '.join(f'{p} {v}' for p in VERSIONED if (v := about.get(p)))}){about.get('setting', '')}.", ""]
     order = {s.key: i for i, s in enumerate(SYSTEMS)}
     for shape in sorted({r["shape"] for r in runs}, key=list(CARDS).index):
         lines += [f"### {CARDS[shape]}", "", "| | Step | Tokens/s | Peak a GPU | Held-out loss |", "|---|---|---|---|---|"]
@@ -131,7 +153,7 @@ def render(out: Path) -> tuple[str, Path | None]:
                     and res.get("loss_end") is not None else "")
             lines.append(f"| {name} | {res['step_s']:.3f} s | {res['tok_s'] / 1000:.1f}K | {res['peak_gib']:.1f} GiB | {held} |")
         lines.append("")
-    markdown = "\n".join(lines)
+    markdown = "\n".join(lines) + "\n" + NOTES
     (out / "table.md").write_text(markdown)
     return markdown, _plot(out, [r for r in runs if r["result"] is not None])
 
