@@ -12,7 +12,7 @@ from linnet.cli import main
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["torch", "tiny-lama"], "unknown card 'tiny-lama' (did you mean 'tiny-llama'?): the shipped cards are "),
+    (["torch", "tiny-lama"], "unknown card 'tiny-lama' (did you mean 'tiny-llama'?): give a shipped card's name ("),
     (["jax", "tiny-llama", "--numerics", "fastest"],
      "argument --numerics: invalid choice: 'fastest' (choose from 'exact', 'fast') (see linnet jax --help)"),
     (["torch", "tiny-llama", "--fully-shard", "--prefetch", "-1"],

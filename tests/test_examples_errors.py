@@ -166,7 +166,7 @@ def test_an_unknown_card_suggests_the_closest():
     with pytest.raises(KeyError) as raised:  # a KeyError, as it always was
         cards.resolve("tiny-lama")
     assert isinstance(raised.value, UserError)
-    assert str(raised.value).startswith("unknown card 'tiny-lama' (did you mean 'tiny-llama'?): the shipped cards are ")
+    assert str(raised.value).startswith("unknown card 'tiny-lama' (did you mean 'tiny-llama'?): give a shipped card's name (")
     assert "did you mean" not in str(pytest.raises(KeyError, cards.resolve, "gpt-5").value)
 
 

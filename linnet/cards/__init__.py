@@ -3,18 +3,25 @@
 A card names its family's architecture program (`family = "llama"` is
 `llama.arch` beside the card or among the shipped ones), where its weights and
 tokenizer come from (`[weights] repo`, a Hugging Face repo id or a folder
-beside the card) and the numbers of its published config.json (`[config]`)."""
+beside the card) and the numbers of its published config.json (`[config]`).
+
+`resolve` also makes a card of a Hugging Face model folder or of a hub id in
+the local Hugging Face cache (linnet/cards/huggingface.py), and takes a `Card`
+held in memory as it is. A card is read afresh each time it is resolved, and
+what it builds follows its own `config`, never a file read earlier."""
 
 from __future__ import annotations
 
 import difflib
 import functools
+import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from linnet.cardlang import CardError, check_program, parse_program
 from linnet.cardlang.check import Checked
+from linnet.cards import huggingface
 from linnet.errors import UserError
 
 CARDS_DIR = Path(__file__).parent
@@ -23,7 +30,8 @@ _WEIGHTS_KEYS = {"repo", "init"}
 
 
 class UnknownCard(UserError, KeyError):
-    """A card name that is neither shipped nor a path to a .toml card (a KeyError, as it always was)."""
+    """A card name that is neither shipped, nor a path to a .toml card or a model folder, nor a hub id in the
+    local Hugging Face cache (a KeyError, as it always was)."""
 
     __str__ = UserError.__str__  # the message, not KeyError's quoted repr of it
 
@@ -42,7 +50,7 @@ class Weights:
 class Card:
     name: str
     family: str
-    path: Path
+    path: Path  # the card file (config.json for a model folder): where errors point, and where a family program beside it is looked for
     weights: Weights
     config: dict
 
@@ -52,7 +60,14 @@ class Card:
         return beside if beside.exists() else CARDS_DIR / f"{self.family}.arch"
 
     def checked(self) -> Checked:
-        return _checked(str(self.program_path), self.path)
+        """The family program checked against this card's own config (not the file's, if they differ)."""
+        program = self.program_path
+        try:
+            source = program.read_text(encoding="utf-8")
+        except OSError as error:
+            raise CardError(str(self.path), None, f"family {self.family!r}: cannot read its program {program}: "
+                                                  f"{error.strerror or error}") from None
+        return _checked(str(program), source, json.dumps(self.config, sort_keys=True, default=repr), str(self.path))
 
 
 def shipped() -> list[str]:
@@ -60,16 +75,31 @@ def shipped() -> list[str]:
 
 
 def resolve(card: str | Path | Card) -> Card:
-    """A shipped card by name (`llama-3.2-1b`), or a card file by path."""
+    """A card: a `Card` as it is; a shipped card's name (`llama-3.2-1b`); a path to a .toml card; a Hugging
+    Face model folder (config.json and SafeTensors); or a hub id (`meta-llama/Llama-3.2-1B`) whose snapshot
+    is in the local Hugging Face cache."""
     if isinstance(card, Card):
         return card
     path = Path(card)
-    if path.suffix != ".toml":
-        path = CARDS_DIR / f"{card}.toml"
-        if not path.exists():
-            raise UnknownCard(f"unknown card {card!r}{_did_you_mean(str(card))}: the shipped cards are "
-                              f"{', '.join(shipped())}; or give a path to a .toml card")
-    return _load_card(path.resolve())
+    if path.name == str(card) and (CARDS_DIR / f"{card}.toml").exists():  # a name, not a path: ./NAME is the folder
+        return _load_card(CARDS_DIR / f"{card}.toml")
+    if path.suffix == ".toml":
+        return _load_card(path.resolve())
+    if path.is_dir():
+        return _folder_card(path.resolve(), name=path.resolve().name)
+    if str(card).count("/") == 1 and not path.exists() and (folder := huggingface.snapshot(str(card))):
+        return _folder_card(folder, name=str(card))
+    hub = (f"; {card!r} is not in the local Hugging Face cache either (download it first: "
+           f"`huggingface-cli download {card}`)" if str(card).count("/") == 1 and not path.is_absolute() else "")
+    raise UnknownCard(f"unknown card {card!r}{_did_you_mean(str(card))}{hub}: give a shipped card's name "
+                      f"({', '.join(shipped())}), a path to a .toml card, a Hugging Face model folder, or a hub id "
+                      "in the local Hugging Face cache")
+
+
+def _folder_card(folder: Path, name: str) -> Card:
+    config = huggingface.read_config(folder)
+    family = huggingface.family_of(config, folder, CARDS_DIR)
+    return Card(name, family, folder / "config.json", Weights(str(folder), None), huggingface.card_config(config))
 
 
 def _did_you_mean(name: str) -> str:
@@ -77,7 +107,6 @@ def _did_you_mean(name: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-@functools.lru_cache(maxsize=None)
 def _load_card(path: Path) -> Card:
     if not path.exists():
         raise MissingCardFile(f"no card file at {path}")
@@ -120,11 +149,13 @@ def _toml_line(error: tomllib.TOMLDecodeError) -> int | None:
     return int(text.split(marker)[1].split(",")[0]) if marker in text else None
 
 
-@functools.lru_cache(maxsize=None)
-def _program(path: str):
-    return parse_program(Path(path).read_text(), path)
+# Parsing and checking are cached by content (the program's source, the config as JSON), so an edited
+# card or program is never served from the cache.
+@functools.lru_cache(maxsize=64)
+def _program(path: str, source: str):
+    return parse_program(source, path)
 
 
-@functools.lru_cache(maxsize=None)
-def _checked(program_path: str, card_path: Path) -> Checked:
-    return check_program(_program(program_path), _load_card(card_path).config, str(card_path))
+@functools.lru_cache(maxsize=64)
+def _checked(program_path: str, program_source: str, config_json: str, card_path: str) -> Checked:
+    return check_program(_program(program_path, program_source), json.loads(config_json), card_path)
