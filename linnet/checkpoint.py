@@ -69,6 +69,11 @@ class Checkpointer(folder_lock.HoldsFolder):
                  steps: int | None = None):
         self.folder, self.model, self.optimizer, self.schedule, self.keep = Path(folder), model, optimizer, schedule, keep
         self.steps = steps
+        sharding = getattr(model, "sharding", None)
+        if sharding is not None and sharding.replicas > 1:
+            raise NotImplementedError(f"checkpoints of a model sharded over a 2-D mesh ({sharding.replicas} replicas of "
+                                      f"{sharding.world} ranks) are not written yet: shard over one group (no mesh, or a "
+                                      "1-D one) to checkpoint, or train without checkpoints")
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         parts = list(model.parameters())
         self.part_index = {id(p): i for i, p in enumerate(parts)}

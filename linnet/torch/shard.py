@@ -83,19 +83,27 @@ class GroupLayout:
 
 @dataclass(frozen=True)
 class Sharding:
-    group_name: str
-    rank: int
-    world: int
+    group_name: str  # the ranks that share the weights out (the mesh's "shard" dimension)
+    rank: int  # in that group
+    world: int  # that group's size: the parts a group of weights is cut into
     layouts: dict  # card group name -> GroupLayout
     recompute: str
     compute_dtype: torch.dtype
-    reduce_dtype: torch.dtype  # what gradients are reduce-scattered in
+    reduce_dtype: torch.dtype  # what gradients are reduce-scattered (and all-reduced across replicas) in
     schedule: Schedule
+    replicate_group_name: str | None = None  # the ranks that hold the same parts (the mesh's "replicate" dimension)
+    replicas: int = 1
 
 
-def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, recompute: str = "gather",
+def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, mesh=None, recompute: str = "gather",
                 prefetch: int = 1, reduce_dtype: torch.dtype = torch.float32, stall_timeout: float | None = None) -> TorchModel:
     """Shards `model` in place over `group` (default: the default process group) and returns it.
+
+    mesh: a DeviceMesh in place of `group`, as FSDP2's: of one dimension, it is that dimension's group;
+    of two, named ("replicate", "shard") (init_device_mesh(..., (machines, gpus_per_machine),
+    mesh_dim_names=("replicate", "shard"))), the weights are sharded inside each "shard" group and
+    each replica holds the same parts: a part's gradient is reduce-scattered inside its shard group,
+    then averaged across the replicas.
 
     recompute: "gather" keeps each layer's activations and gathers its weights
     again in the backward; "matmuls" keeps only the outputs of its matrix
@@ -126,12 +134,13 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, re
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs a process group: call torch.distributed.init_process_group first "
                            "(under torchrun, or with world_size=1 for one process)")
-    group = group or dist.group.WORLD
+    group, replicate, everyone = _groups(group, mesh)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    replicas = 1 if replicate is None else dist.get_world_size(replicate)
     schedule = Schedule(prefetch, communicates=world > 1)
     _check_device(model, group)
-    agree.cpu_group(group)  # where the ranks agree on each call's inputs (made here, where every rank is)
-    watchdog.watch(group, stall_timeout)
+    agree.cpu_group(everyone)  # where the ranks agree on each call's inputs (made here, where every rank is)
+    watchdog.watch(everyone, stall_timeout)
     checked = model.checked
     layouts = {}
     for decl in checked.program.groups.values():
@@ -145,9 +154,32 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, re
     parts = read(model, layouts, rank, world)
     model.params = parts
     model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
-                              reduce_dtype if world > 1 else torch.float32, schedule)
+                              reduce_dtype if world * replicas > 1 else torch.float32, schedule,
+                              None if replicate is None else replicate.group_name, replicas)
     model._install(model.emit(schedule=schedule), _bindings(model.sharding))
     return model
+
+
+def _groups(group: dist.ProcessGroup | None, mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, dist.ProcessGroup]:
+    """(the group that shards, the group of replicas or None, the group of every rank) from fully_shard's arguments."""
+    if mesh is None:
+        group = group or dist.group.WORLD
+        return group, None, group
+    if group is not None:
+        raise ValueError("fully_shard takes group= or mesh=, not both")
+    names = tuple(mesh.mesh_dim_names or ())
+    match mesh.ndim:
+        case 1:
+            group = mesh.get_group()
+            return group, None, group
+        case 2 if names == ("replicate", "shard"):
+            if mesh.size() != dist.get_world_size():
+                raise ValueError(f"the mesh holds {mesh.size()} ranks of {dist.get_world_size()}: a 2-D mesh must hold "
+                                 "every rank of the default process group")
+            return mesh.get_group("shard"), mesh.get_group("replicate"), dist.group.WORLD
+        case _:
+            raise ValueError(f"fully_shard takes a mesh of one dimension, or of two named ('replicate', 'shard'); got "
+                             f"{mesh.ndim} dimensions named {names}")
 
 
 def _check_device(model: TorchModel, group: dist.ProcessGroup) -> None:
@@ -222,7 +254,7 @@ def _bindings(sharding: Sharding) -> dict:
         "launch_gather": partial(_launch_gather, sharding),
         "wait_gather": partial(_wait_gather, sharding),
         "launch_of": _launch_of,
-        "hold": _hold,
+        "hold": partial(_hold, sharding),
         "after": _after,
         "checkpointed": partial(_checkpointed, sharding.recompute, sharding.world),
         "lookup": partial(_lookup, sharding),
@@ -241,7 +273,31 @@ def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torc
 
 def _gather(sharding: Sharding, part: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
     """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once."""
-    return _views(sharding, ops.wait(_all_gather(sharding, part)[0]), group)
+    return _views(sharding, ops.wait(_all_gather(sharding, _across_replicas(sharding, part))[0]), group)
+
+
+class _AverageAcrossReplicas(torch.autograd.Function):
+    """A part, passed through; in the backward, its gradient (this shard group's, reduce-scattered and
+    waited for) is averaged across the replicas that hold the same part."""
+
+    @staticmethod
+    def forward(ctx, part, group_name, replicas, reduce_dtype):
+        ctx.group_name, ctx.replicas, ctx.reduce_dtype = group_name, replicas, reduce_dtype
+        return part.view_as(part)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        functional = torch.ops._c10d_functional
+        summed = functional.wait_tensor(functional.all_reduce(gradient.to(ctx.reduce_dtype), "sum", ctx.group_name))
+        return summed.to(gradient.dtype) / ctx.replicas, None, None, None
+
+
+def _across_replicas(sharding: Sharding, part: torch.Tensor) -> torch.Tensor:
+    """`part`, whose gradient is averaged across the replicas (sum then divide: Gloo has no average);
+    `part` itself where there is one replica."""
+    if sharding.replicas == 1:
+        return part
+    return _AverageAcrossReplicas.apply(part, sharding.replicate_group_name, sharding.replicas, sharding.reduce_dtype)
 
 
 class Launched(NamedTuple):
@@ -271,8 +327,9 @@ class _Hold(torch.autograd.Function):
         return x_gradient, None if part_gradient is None else ops.wait(part_gradient)
 
 
-def _hold(x: torch.Tensor, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _Hold.apply(x, part) if torch.compiler.is_compiling() else (x, part)
+def _hold(sharding: Sharding, x: torch.Tensor, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compiled: the part (averaged across replicas before this wait, which its gradient passes first)."""
+    return _Hold.apply(x, _across_replicas(sharding, part)) if torch.compiler.is_compiling() else (x, part)
 
 
 def _launch(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,6 +391,7 @@ def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group:
     that of the mean of the ranks' losses."""
     functional, wait = torch.ops._c10d_functional, torch.ops._c10d_functional.wait_tensor
     layout, world, rank = sharding.layouts[group], sharding.world, sharding.rank
+    part = _across_replicas(sharding, part)
     index = layout.names.index(weight)
     (rows, width), offset = layout.shapes[index], layout.offsets[index]
     start = rank * layout.part_size
