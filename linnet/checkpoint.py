@@ -69,11 +69,6 @@ class Checkpointer(folder_lock.HoldsFolder):
                  steps: int | None = None):
         self.folder, self.model, self.optimizer, self.schedule, self.keep = Path(folder), model, optimizer, schedule, keep
         self.steps = steps
-        sharding = getattr(model, "sharding", None)
-        if sharding is not None and sharding.replicas > 1:
-            raise NotImplementedError(f"checkpoints of a model sharded over a 2-D mesh ({sharding.replicas} replicas of "
-                                      f"{sharding.world} ranks) are not written yet: shard over one group (no mesh, or a "
-                                      "1-D one) to checkpoint, or train without checkpoints")
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         parts = list(model.parameters())
         self.part_index = {id(p): i for i, p in enumerate(parts)}
@@ -94,8 +89,8 @@ class Checkpointer(folder_lock.HoldsFolder):
     # Room on the disk.
 
     def bytes_needed(self) -> int:
-        """The bytes one checkpoint takes, every rank's file (a collective: every rank calls it)."""
-        mine = _tensor_bytes(self.params) + _optimizer_state_bytes(self.optimizer, self.params)
+        """The bytes one checkpoint takes, every writing rank's file (a collective: every rank calls it)."""
+        mine = _tensor_bytes(self.params) + _optimizer_state_bytes(self.optimizer, self.params) if _parts_of(self.model)[2] else 0
         return sum(_gather_objects(mine)) + checkpoint_folder.HEADROOM
 
     def check_room(self) -> None:
@@ -108,24 +103,28 @@ class Checkpointer(folder_lock.HoldsFolder):
 
     def save(self, step: int, rows_consumed: int) -> Path:
         rank, world = _world()
+        part, parts, writes = _parts_of(self.model)
         needed = self.bytes_needed()
         partial = checkpoint_folder.partial_path(self.folder, step)
         first_rank_does(lambda: self._begin(partial, needed), f"begin checkpoint {partial}")
         try:
-            path = partial / _rank_file(rank, world)
-            state = {
-                "parts": [p.detach().cpu() for p in self.params],
-                "optimizer": self.optimizer.state_dict(),
-                "rng": _rng_state(),
-            }
-            size = _tensor_bytes(state["parts"]) + _optimizer_state_bytes(self.optimizer, self.params)
-            together(lambda: _write_state(state, path, size), f"write {path}")
-            files = _gather_objects(together(lambda: checkpoint_folder.describe(path), f"sync {path}"))
+            path = partial / _rank_file(part, parts)
+            if writes:
+                state = {
+                    "parts": [p.detach().cpu() for p in self.params],
+                    "optimizer": self.optimizer.state_dict(),
+                    "rng": _rng_state(),
+                }
+                size = _tensor_bytes(state["parts"]) + _optimizer_state_bytes(self.optimizer, self.params)
+            together(lambda: _write_state(state, path, size) if writes else None, f"write {path}")
+            described = together(lambda: checkpoint_folder.describe(path) if writes else None, f"sync {path}")
+            files = [f for f in _gather_objects(described) if f is not None]
             manifest = {
                 "framework": "torch",
                 "card": self.model.card.name,
                 "step": step,
                 "world": world,
+                "parts_world": parts,
                 "rows_consumed": rows_consumed,
                 "schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "layouts": self.layouts,
@@ -162,7 +161,7 @@ class Checkpointer(folder_lock.HoldsFolder):
         manifest = checkpoint_folder.read_manifest(folder)
         resume_check.check_framework(manifest, "torch", folder)
         self._check_same_model(folder, manifest, world)
-        state = self._read(folder, manifest, rank, world)
+        state = self._read(folder, manifest, *_parts_of(self.model)[:2])
         notes = self._differences(folder, manifest, state)
         self._load(state, manifest, follow=bool(notes))
         self.manifest = manifest
@@ -213,12 +212,14 @@ class Checkpointer(folder_lock.HoldsFolder):
             notes.append(f"from step {manifest['step']} on, this run's {what} apply")
         return notes
 
-    def _read(self, folder: Path, manifest: dict, rank: int, world: int) -> dict:
-        """This rank's parts, optimizer state and RNG state from the checkpoint, checked against the parameters."""
-        if manifest["world"] == world:
-            state = torch.load(folder / _rank_file(rank, world), map_location="cpu", weights_only=False)
+    def _read(self, folder: Path, manifest: dict, part: int, parts: int) -> dict:
+        """This rank's parts (the part-th of `parts`), optimizer state and RNG state from the checkpoint,
+        checked against the parameters."""
+        saved_parts = manifest.get("parts_world", manifest["world"])  # before hybrid sharding: a file a rank
+        if saved_parts == parts:
+            state = torch.load(folder / _rank_file(part, parts), map_location="cpu", weights_only=False)
         else:
-            state = self._resplit(folder, manifest["world"], rank, world)
+            state = self._resplit(folder, saved_parts, part, parts)
         shapes = [tuple(p.shape) for p in self.params]
         saved = [tuple(t.shape) for t in state["parts"]]
         if saved != shapes:  # what a manifest without the model's shapes could not tell
@@ -287,6 +288,15 @@ class Checkpointer(folder_lock.HoldsFolder):
                 state[index] = entry
         rng = saved[rank % saved_world]["rng"]
         return {"parts": parts, "optimizer": {"state": state, "param_groups": optimizer["param_groups"]}, "rng": rng}
+
+
+def _parts_of(model) -> tuple[int, int, bool]:
+    """(this rank's part, how many parts there are, whether this rank writes its part): the shard group's
+    where replicas hold the same parts, the first replica writing them; every rank's own otherwise."""
+    sharding = getattr(model, "sharding", None)
+    if sharding is None:
+        return (*_world(), True)
+    return sharding.rank, sharding.world, sharding.replica == 0
 
 
 def _shape_at(shapes: list[tuple], index: int) -> str:

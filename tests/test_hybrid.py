@@ -1,20 +1,24 @@
 """fully_shard over a 2-D mesh ("replicate", "shard"), over Gloo: training equals unsharded single-process
-training on the same global batch, as the flat sharding of tests/test_fully_shard.py does."""
+training on the same global batch, as the flat sharding of tests/test_fully_shard.py does, and its
+checkpoints (each part written once, by the first replica) resume on other meshes and world sizes."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
 from distributed import run
+from test_checkpoint import HALF, halves, join, zero_weight
+from linnet import nest
 from test_fully_shard import EPS, LR, STEPS, card, load, reference, relative_error, rows  # noqa: F401 (card: a fixture)
 
 
 def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str, prefetch: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from linnet.checkpoint import Checkpointer
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
     from linnet.train import train
@@ -25,12 +29,7 @@ def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
     weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
-    try:
-        Checkpointer("unused", model, optimizer)
-        refused = None
-    except NotImplementedError as error:
-        refused = str(error)
-    return [s.loss for s in history.steps], weights, refused
+    return [s.loss for s in history.steps], weights
 
 
 @pytest.mark.parametrize("shape, compile, recompute, prefetch", [
@@ -41,12 +40,55 @@ def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile
 ])
 def test_a_2d_mesh_trains_as_single_process(card, shape, compile, recompute, prefetch):
     expected_losses, expected_weights = reference(card, 4)
-    for losses, weights, refused in run(hybrid_training, 4, card, shape, compile, recompute, prefetch,
-                                        timeout=900 if compile else 300):
+    for losses, weights in run(hybrid_training, 4, card, shape, compile, recompute, prefetch, timeout=900 if compile else 300):
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         for name, tensor in weights.items():
             assert relative_error(tensor, expected_weights[name].numpy()) < 1e-5, name
-        assert refused.startswith("checkpoints of a model sharded over a 2-D mesh")
+
+
+def rows_across(world: int) -> list:
+    """Global rows, rank-strided: 4 a step for the 4 steps before the checkpoint, then a fifth step whose
+    global batch is the same at world 4 (rows A, B, C and a weightless one) and at world 3 (A, B, C: a
+    rank of 3 skips 6, 5 and 5 of the 16 rows used, so the next rows, 16 to 18, are all three)."""
+    data = [join(row) for row in halves(2)]
+    return data[:16] + data[16:19] + ([zero_weight(data[19])] if world == 4 else [])
+
+
+def resume_on(rank: int, world: int, shape: tuple[int, int] | None, folder: str, steps: int, save_every: int | None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from linnet.torch import fully_shard
+    from linnet.torch.shard import gathered_weights
+    from linnet.train import train
+
+    model = nest.load("tiny-llama", numerics="exact", generics={"Batch": 1, "MaxSeq": 2 * HALF, "T": "f32"},
+                      cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
+    fully_shard(model, mesh=None if shape is None else init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.0, eps=1e-6)
+    history = train(model, iter(rows_across(world)[rank::world]), optimizer=optimizer, steps=steps,
+                    on_step=lambda s: None, checkpoint=folder, checkpoint_every=save_every)
+    weights = {name: t.numpy() for name, t in gathered_weights(model, torch.float32)}
+    return {s.step: s.loss for s in history.steps}, weights, history.resumed_from
+
+
+def test_a_2d_checkpoint_holds_each_part_once_and_resumes_on_other_meshes(tmp_path):
+    import json
+
+    saved = tmp_path / "saved"
+    run(resume_on, 4, (2, 2), str(saved), 4, 4, timeout=300)  # four steps on 2 x 2, saved at step 4
+    step = saved / "step-00000004"
+    assert sorted(p.name for p in step.glob("*.pt")) == ["rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
+    assert json.loads((step / "MANIFEST.json").read_text())["parts_world"] == 2
+    shutil.copytree(saved, tmp_path / "reference")
+    uninterrupted = run(resume_on, 4, (2, 2), str(tmp_path / "reference"), 5, None, timeout=300)[0]
+    for world, shape in ((4, (1, 4)), (4, (4, 1)), (3, None)):
+        copy = tmp_path / f"on-{shape}"
+        shutil.copytree(saved, copy)
+        (losses_by_step, weights, resumed_from), *_ = run(resume_on, world, shape, str(copy), 5, None, timeout=300)
+        assert resumed_from == 4 and list(losses_by_step) == [5], shape
+        np.testing.assert_allclose(losses_by_step[5], uninterrupted[0][5], rtol=1e-5)
+        for name, tensor in weights.items():
+            assert relative_error(tensor, uninterrupted[1][name]) < 1e-5, (shape, name)
 
 
 def bad_mesh(rank: int, world: int, card, shape: tuple[int, ...], names: tuple[str, ...], with_group: bool) -> str:
@@ -71,3 +113,64 @@ def bad_mesh(rank: int, world: int, card, shape: tuple[int, ...], names: tuple[s
 def test_a_mesh_it_cannot_use_is_refused(card, shape, names, with_group, message):
     for said in run(bad_mesh, 2, card, shape, names, with_group, timeout=120):
         assert message in said
+
+
+def example(tmp_path, torchrun: list[str]) -> list[str]:
+    """The PyTorch example's output lines under `torchrun` (several launches: one a machine, started together)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = ["examples/07-fsdp/sft_torch.py", "--card", "tiny-llama", "--data", "examples/07-fsdp/data/tasks.jsonl",
+              "--tokens", "256", "--steps", "4", "--lr", "3e-3", "--held-out", "40"]
+    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, *script], cwd=root, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+                for args in torchrun]
+    outputs = [launch.communicate(timeout=600) for launch in launches]
+    for launch, (_, stderr) in zip(launches, outputs):
+        assert launch.returncode == 0, stderr[-3000:]
+    return "".join(stdout for stdout, _ in outputs).splitlines()
+
+
+def test_two_machines_on_the_loopback_pick_hybrid_sharding_and_train_as_one(tmp_path):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    machines = example(tmp_path, [["--nnodes=2", f"--node-rank={node}", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=linnet-test"] for node in (0, 1)])
+    one = example(tmp_path, [["--standalone", "--nproc_per_node=4"]])
+    assert "each weight in 2 parts, one copy on each of 2 machines" in machines
+    assert "each weight in 4 parts" in one
+    losses = [[float(line.split("loss ")[1].split(",")[0]) for line in lines if line.startswith("step ")] for lines in (machines, one)]
+    assert len(losses[0]) == 4
+    np.testing.assert_allclose(losses[0], losses[1], atol=2e-3)  # printed to 3 decimals
+
+
+def mesh_chosen(rank: int, world: int, local: int, sharding: str) -> str:
+    import os
+
+    from linnet.errors import UserError
+    from linnet.torch.mesh import torchrun_mesh
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local)
+    try:
+        mesh = torchrun_mesh("cpu", sharding)
+    except UserError as error:
+        return str(error)
+    return "flat" if mesh is None else f"{tuple(mesh.shape)} {mesh.mesh_dim_names}"
+
+
+@pytest.mark.parametrize("local, sharding, chosen", [
+    (2, "auto", "(2, 2) ('replicate', 'shard')"),
+    (4, "auto", "flat"),
+    (2, "flat", "flat"),
+    (4, "hybrid", "(1, 4) ('replicate', 'shard')"),
+    (3, "hybrid", "4 processes do not divide into machines of LOCAL_WORLD_SIZE=3"),
+])
+def test_the_mesh_follows_what_torchrun_reports(local, sharding, chosen):
+    for said in run(mesh_chosen, 4, local, sharding, timeout=120):
+        assert chosen in said

@@ -9,6 +9,11 @@ Offline, on a CPU, with the tiny card and the repo's own instruction data:
 
     torchrun --nproc_per_node=2 examples/07-fsdp/sft_torch.py --card tiny-llama \\
         --data examples/07-fsdp/data/tasks.jsonl --tokens 512 --steps 40 --lr 3e-3
+
+On two machines of 8 GPUs (the same command on each; --sharding auto shards inside each machine):
+
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        examples/07-fsdp/sft_torch.py
 """
 
 import argparse
@@ -19,6 +24,7 @@ import torch
 from linnet import nest, userdata
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error
 from linnet.torch import fully_shard
+from linnet.torch.mesh import SHARDINGS, torchrun_mesh
 from linnet.train import Example, cosine_schedule, evaluate, pack, train
 
 # A mistake in the options, the card or the data ends the run before it trains: one line, from the
@@ -38,6 +44,9 @@ parser.add_argument("--tokens", type=at_least(2), default=4096, help="positions 
 parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps, and resume from it")
 parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
+parser.add_argument("--sharding", choices=SHARDINGS, default="auto", help="flat: every process shares out every "
+                    "layer; hybrid: shared out inside each machine, one copy a machine; auto (default): hybrid when "
+                    "torchrun runs on more than one machine")
 args = parser.parse_args()
 TOKENS = args.tokens
 warmup = userdata.warmup_steps(args.warmup, args.steps)
@@ -77,9 +86,12 @@ model = nest.load(
     cast_dtype=True,
     trainable=True,
 )
-# Splits every layer's weights across the processes, kept in f32, and
+# Splits every layer's weights across the processes (of each machine, when hybrid), kept in f32, and
 # compiles the entries to gather each layer's in bf16 where it runs.
-fully_shard(model)
+fully_shard(model, mesh=torchrun_mesh("cuda" if cuda else "cpu", args.sharding))
+if rank == 0:
+    replicas, parts = model.sharding.replicas, model.sharding.world
+    print(f"each weight in {parts} parts" + (f", one copy on each of {replicas} machines" if replicas > 1 else ""), flush=True)
 trained = [p for p in model.parameters() if p.requires_grad]
 optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
 schedule = cosine_schedule(optimizer, warmup, args.steps, floor=0.0)

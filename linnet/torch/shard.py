@@ -93,6 +93,7 @@ class Sharding:
     schedule: Schedule
     replicate_group_name: str | None = None  # the ranks that hold the same parts (the mesh's "replicate" dimension)
     replicas: int = 1
+    replica: int = 0  # this rank's, in that group: replica 0 writes the parts into checkpoints
 
 
 def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, mesh=None, recompute: str = "gather",
@@ -136,7 +137,7 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
                            "(under torchrun, or with world_size=1 for one process)")
     group, replicate, everyone = _groups(group, mesh)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    replicas = 1 if replicate is None else dist.get_world_size(replicate)
+    replicas, replica = (1, 0) if replicate is None else (dist.get_world_size(replicate), dist.get_rank(replicate))
     schedule = Schedule(prefetch, communicates=world > 1)
     _check_device(model, group)
     agree.cpu_group(everyone)  # where the ranks agree on each call's inputs (made here, where every rank is)
@@ -155,7 +156,7 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     model.params = parts
     model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
                               reduce_dtype if world * replicas > 1 else torch.float32, schedule,
-                              None if replicate is None else replicate.group_name, replicas)
+                              None if replicate is None else replicate.group_name, replicas, replica)
     model._install(model.emit(schedule=schedule), _bindings(model.sharding))
     return model
 
