@@ -6,6 +6,15 @@ the script leaves exposed shows up in its step time:
     SIM_WORLD=4 SIM_BUS_GBPS=360 LOCAL_RANK=0 python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
     SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
     python3 benchmarks/sim_world.py --compare sim.log inf.log    # exposed share of the communication
+    SIM_WORLD=8 SIM_MACHINE_SIZE=4 SIM_NET_GBPS=45 ...            # two machines of four GPUs
+
+Machines: with SIM_MACHINE_SIZE=m, ranks r and s share a machine when r // m == s // m. A group
+whose ranks all share one (the "shard" dimension of a hybrid mesh) moves its bytes at SIM_BUS_GBPS;
+a group that spans machines (the "replicate" dimension, or one flat group of every rank) at
+SIM_NET_GBPS (default 45), the bottleneck of its ring. The two kinds of link are separate lanes:
+a collective inside a machine and one between machines run at the same time, as NCCL's
+communicators over NVLink and over the network do; collectives on the same kind of link run one
+after another. Without SIM_MACHINE_SIZE the world is one machine.
 
 At exit it prints `SIM {json}`: the world, the bandwidth, every collective by kind (calls, bytes,
 modelled seconds), each step's modelled communication (`steps`, from the script's `step N loss L Ts`
@@ -39,14 +48,14 @@ up a C++ backend, which Python cannot subclass. Outputs keep whatever memory hel
 torch.distributed.all_reduce multiplies by the world (as fake_world.py does), so code counting
 ranks sees every rank; Linnet's check that a cuda model has an nccl group is skipped. Each
 collective returns a c10d Work wrapping a torch Future:
-  * CUDA: one high-priority side stream per device (one communicator: calls run one after another)
+  * CUDA: one high-priority side stream per device and link (calls on it run one after another)
     waits for the caller's current stream, sleeps (torch.cuda._sleep, cycles a second calibrated
     once against CUDA events at the first collective, or SIM_CYCLES_PER_S) and completes the
     Future there; Work.wait(), and _c10d_functional::wait_tensor through it, make the waiting
     stream wait for that event. Nothing blocks the host. The collective's tensors are recorded on
     the side stream, so their memory is not reused before it ends, as with NCCL.
-  * CPU: a worker thread completes each Future when its modelled time has passed (calls one after
-    another); wait() blocks the host until then.
+  * CPU: a worker thread a link completes each Future when its modelled time has passed (calls one
+    after another); wait() blocks the host until then.
 Not modelled: the SMs, memory bandwidth and launch time a real NCCL kernel takes from compute (the
 sleep holds one SM), and NVLink SHARP. Benchmarks only: never import this from the package.
 """
@@ -70,6 +79,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_BUS_GBPS = 360.0
+DEFAULT_NET_GBPS = 45.0
 DEFAULT_LATENCY_US = 10.0
 WARMUP_STEPS = 3  # as benchmarks/step.py and peers/fsdp2_baseline.py: the median step after these
 
@@ -194,18 +204,24 @@ class _CudaLane:
 class Sim:
     """The simulated communicator's settings, its lanes (one per device) and its accounting."""
 
-    def __init__(self, world: int, bus_gbps: float, latency_us: float | None, cycles_per_s: float | None = None):
+    def __init__(self, world: int, bus_gbps: float, latency_us: float | None, cycles_per_s: float | None = None,
+                 machine_size: int | None = None, net_gbps: float = DEFAULT_NET_GBPS):
         if world < 1:
             raise ValueError(f"SIM_WORLD must be at least 1, got {world}")
-        if not bus_gbps > 0:
-            raise ValueError(f"SIM_BUS_GBPS must be positive (or inf), got {bus_gbps}")
+        if not bus_gbps > 0 or not net_gbps > 0:
+            raise ValueError(f"SIM_BUS_GBPS and SIM_NET_GBPS must be positive (or inf), got {bus_gbps} and {net_gbps}")
+        if machine_size is not None and (machine_size < 1 or world % machine_size):
+            raise ValueError(f"SIM_MACHINE_SIZE must divide SIM_WORLD={world}, got {machine_size}")
         self.world = world
         self.bus_gbps = bus_gbps
+        self.machine_size = machine_size
+        self.net_gbps = bus_gbps if math.isinf(bus_gbps) else net_gbps  # inf: no communication time anywhere
         self.latency_us = latency_us if latency_us is not None else (0.0 if math.isinf(bus_gbps) else DEFAULT_LATENCY_US)
         self.cycles_per_s = cycles_per_s
         self.calls = collections.Counter()
         self.bytes = collections.Counter()
         self.seconds = collections.Counter()
+        self.link_seconds = collections.Counter()  # "machine" or "network" -> modelled seconds
         self.steps: list[dict] = []
         self._mark = (0, 0.0)  # calls and seconds when the last step line was printed
         self._lanes: dict = {}
@@ -219,24 +235,33 @@ class Sim:
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
 
-    def duration(self, kind: str, nbytes: int, world: int) -> float:
-        return model_seconds(kind, nbytes, world, self.bus_gbps, self.latency_us * 1e-6)
+    def link(self, ranks: list[int] | None) -> str:
+        """"machine" for a group inside one machine, "network" for one that spans machines."""
+        if self.machine_size is None or not ranks:
+            return "machine"
+        return "machine" if len({r // self.machine_size for r in ranks}) == 1 else "network"
 
-    def issue(self, kind: str, nbytes: int, world: int, outputs: list, tensors: list):
-        """Times one collective whose results are `outputs` (of all its `tensors`); returns its c10d
-        Work, boxed for the dispatcher."""
-        seconds = self.duration(kind, nbytes, world)
+    def duration(self, kind: str, nbytes: int, world: int, ranks: list[int] | None = None) -> float:
+        gbps = self.bus_gbps if self.link(ranks) == "machine" else self.net_gbps
+        return model_seconds(kind, nbytes, world, gbps, self.latency_us * 1e-6)
+
+    def issue(self, kind: str, nbytes: int, world: int, outputs: list, tensors: list, ranks: list[int] | None = None):
+        """Times one collective among `ranks` (of `world` ranks) whose results are `outputs` (of all its
+        `tensors`); returns its c10d Work, boxed for the dispatcher."""
+        seconds = self.duration(kind, nbytes, world, ranks)
         device = outputs[0].device if outputs else torch.device("cpu")
+        link = self.link(ranks)
         with self._lock:
             self.calls[kind] += 1
             self.bytes[kind] += nbytes
             self.seconds[kind] += seconds
-            lane = self._lane(device)
+            self.link_seconds[link] += seconds
+            lane = self._lane(device, link)
             future = lane.issue(seconds, outputs, tensors)
         return torch._C._distributed_c10d._create_work_from_future(future).boxed()
 
-    def _lane(self, device: torch.device):
-        key = (device.type, device.index)
+    def _lane(self, device: torch.device, link: str):
+        key = (device.type, device.index, link)
         if key not in self._lanes:
             match device.type:
                 case "cpu":
@@ -269,6 +294,8 @@ class Sim:
         timed = self.steps[WARMUP_STEPS:] or self.steps
         cuda = [lane for lane in self._lanes.values() if isinstance(lane, _CudaLane)]
         result = dict(world=self.world, bus_gbps="inf" if math.isinf(self.bus_gbps) else self.bus_gbps,
+                      machine_size=self.machine_size, net_gbps="inf" if math.isinf(self.net_gbps) else self.net_gbps,
+                      comm_s_by_link={link: round(seconds, 6) for link, seconds in sorted(self.link_seconds.items())},
                       latency_us=self.latency_us, collectives=self.total_calls, comm_s=round(self.total_seconds, 6),
                       by_kind={kind: dict(calls=self.calls[kind], bytes=self.bytes[kind], comm_s=round(self.seconds[kind], 6))
                                for kind in sorted(self.calls)},
@@ -287,11 +314,16 @@ class Sim:
 # Each takes the op's arguments by name (from its schema: trailing defaults may be left out) and
 # returns (kind, bytes of the full buffer, the outputs the Work completes with).
 
-def _world_of(args: dict, sim: Sim) -> int:
+def _group_of(args: dict, sim: Sim) -> tuple[int, list[int] | None]:
+    """The group's size and its ranks (None where they cannot be found: then one machine's)."""
     try:
-        return dist.ProcessGroup.unbox(args["process_group"]).size()
+        group = dist.ProcessGroup.unbox(args["process_group"])
     except Exception:  # an older torch without unbox: this process has one group, the world
-        return sim.world
+        return sim.world, list(range(sim.world))
+    try:
+        return group.size(), dist.get_process_group_ranks(group)
+    except Exception:  # a group torch.distributed does not know
+        return group.size(), None
 
 
 def _allgather_base(a):
@@ -348,10 +380,10 @@ KERNELS = {
 def _kernel(sim: Sim, handler, names: list[str], returns_tensors: bool):
     def kernel(*args, **kwargs):
         a = dict(zip(names, args), **kwargs)
-        world = _world_of(a, sim)
+        world, ranks = _group_of(a, sim)
         kind, nbytes, outputs = handler(a)
         tensors = [t for t in _flat(list(a.values())) if isinstance(t, torch.Tensor)]
-        work = sim.issue(kind, nbytes, world, outputs, tensors)
+        work = sim.issue(kind, nbytes, world, outputs, tensors, ranks)
         return (args[0], work) if returns_tensors else work
     return kernel
 
@@ -362,14 +394,14 @@ _installed: dict = {}
 
 
 def install(world: int, bus_gbps: float = DEFAULT_BUS_GBPS, latency_us: float | None = None,
-            cycles_per_s: float | None = None) -> Sim:
+            cycles_per_s: float | None = None, machine_size: int | None = None, net_gbps: float = DEFAULT_NET_GBPS) -> Sim:
     """Makes this process rank 0 of a simulated world: init_process_group (whatever backend it asks
     for) joins the "sim" backend, c10d's collectives are timed, Linnet's device check is off."""
     if _installed:
         raise RuntimeError("sim_world is already installed in this process; uninstall() first")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # also registers "fake"
 
-    sim = Sim(world, bus_gbps, latency_us, cycles_per_s)
+    sim = Sim(world, bus_gbps, latency_us, cycles_per_s, machine_size, net_gbps)
     if "SIM" not in dist.Backend._plugins:
         fake = dist.Backend._plugins["FAKE"]
         dist.Backend.register_backend("sim", fake.creator_fn, extended_api=fake.extended_api, devices=["cpu", "cuda"])
@@ -393,12 +425,12 @@ def install(world: int, bus_gbps: float = DEFAULT_BUS_GBPS, latency_us: float | 
 
     all_reduce = dist.all_reduce
 
-    def sim_all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
-        # Every simulated rank holds the same values, so their SUM is the world times them. Here
+    def sim_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, *args, **kwargs):
+        # Every simulated rank holds the same values, so their SUM is the group's size times them. Here
         # rather than in the kernel: the kernel's ReduceOp is opaque in older torch.
-        work = all_reduce(tensor, op, *args, **kwargs)
+        work = all_reduce(tensor, op, group, *args, **kwargs)
         if op == dist.ReduceOp.SUM:
-            tensor.mul_(world)
+            tensor.mul_(world if group is None else dist.get_world_size(group))
         return work
 
     dist.init_process_group, dist.all_reduce = sim_init, sim_all_reduce
@@ -453,7 +485,9 @@ def _from_env() -> Sim:
     bus = float(os.environ.get("SIM_BUS_GBPS", DEFAULT_BUS_GBPS))  # float("inf") parses "inf"
     latency = os.environ.get("SIM_LATENCY_US")
     cycles = os.environ.get("SIM_CYCLES_PER_S")
-    return install(world, bus, float(latency) if latency is not None else None, float(cycles) if cycles else None)
+    machine = os.environ.get("SIM_MACHINE_SIZE")
+    return install(world, bus, float(latency) if latency is not None else None, float(cycles) if cycles else None,
+                   int(machine) if machine else None, float(os.environ.get("SIM_NET_GBPS", DEFAULT_NET_GBPS)))
 
 
 def _last_sim(path: str) -> dict:

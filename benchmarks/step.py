@@ -28,6 +28,8 @@ parser.add_argument("--recompute", default="gather", choices=["gather", "matmuls
 parser.add_argument("--prefetch", type=int, default=1, help="layers whose gathers run ahead (fully_shard's prefetch)")
 parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
+parser.add_argument("--mesh", metavar="MACHINESxGPUS", help="hybrid sharding over a (replicate, shard) mesh of that "
+                    "shape, e.g. 2x4 (default: one flat group)")
 parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
                     "of one each: attention under the document mask rather than causal attention")
 parser.add_argument("--init", help="start from this Hugging Face checkpoint folder (benchmarks/shared_start.py) "
@@ -48,7 +50,12 @@ model = nest.load(args.card, backend="torch", device=device, numerics="fast",
                   compile=None if args.no_compile else "inductor",
                   generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"},
                   cast_dtype=True, trainable=True, weights=args.init or "random")  # every entry: train takes `loss` for one-document rows
-fully_shard(model, recompute=args.recompute, prefetch=args.prefetch,
+mesh = None
+if args.mesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", tuple(int(n) for n in args.mesh.split("x")), mesh_dim_names=("replicate", "shard"))
+fully_shard(model, mesh=mesh, recompute=args.recompute, prefetch=args.prefetch,
             reduce_dtype=torch.float32 if args.reduce_dtype == "f32" else torch.bfloat16)
 torch.cuda.synchronize()
 load_s, load_peak = time.perf_counter() - start, torch.cuda.max_memory_allocated()  # nest.load and fully_shard
@@ -82,7 +89,7 @@ if profiler is not None:
 loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
-result = dict(card=args.card, world=world, packed=args.packed, recompute=args.recompute, prefetch=args.prefetch,
+result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, recompute=args.recompute, prefetch=args.prefetch,
               reduce_dtype=args.reduce_dtype, compiled=not args.no_compile,
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),

@@ -42,7 +42,7 @@ def test_latency_defaults_to_ten_microseconds_and_to_nothing_at_infinite_bandwid
     assert sim_world.Sim(4, 360.0, None).latency_us == 10.0
     assert sim_world.Sim(4, float("inf"), None).duration("all_gather", GB, 4) == 0.0
     assert sim_world.Sim(4, float("inf"), 5.0).duration("all_gather", GB, 4) == pytest.approx(5e-6)
-    with pytest.raises(ValueError, match="SIM_BUS_GBPS must be positive"):
+    with pytest.raises(ValueError, match="SIM_BUS_GBPS and SIM_NET_GBPS must be positive"):
         sim_world.Sim(4, 0.0, None)
 
 
@@ -205,6 +205,45 @@ def test_a_linnet_training_step_runs_as_rank_0_of_four(device):
         groups = 1 + 2 + 1  # the embedding, two layers, the final norm (the head is tied)
         assert sim.calls["all_gather"] >= groups and sim.calls["reduce_scatter"] >= groups
         assert sim.calls["all_reduce"] == 3  # train's two a step, and the ranks' agreement on the inputs (linnet/agree.py)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sim_world.uninstall()
+
+
+def test_machines_a_group_inside_one_moves_at_the_bus_bandwidth_and_one_across_them_at_the_networks():
+    sim = sim_world.Sim(8, 100.0, 0.0, machine_size=4, net_gbps=10.0)
+    assert sim.duration("all_gather", GB, 4, [0, 1, 2, 3]) == pytest.approx(0.0075)  # 3/4 GB at 100 GB/s
+    assert sim.duration("all_reduce", GB, 2, [0, 4]) == pytest.approx(0.1)  # 2 x 1/2 GB at 10 GB/s
+    assert sim.duration("all_gather", GB, 8, list(range(8))) == pytest.approx(0.0875)  # a flat ring crosses the network
+    assert sim_world.Sim(8, 100.0, 0.0).duration("all_gather", GB, 8, list(range(8))) == pytest.approx(0.00875)
+    assert sim_world.Sim(8, float("inf"), 0.0, machine_size=4).duration("all_reduce", GB, 2, [0, 4]) == 0.0
+    with pytest.raises(ValueError, match="SIM_MACHINE_SIZE must divide SIM_WORLD=8, got 3"):
+        sim_world.Sim(8, 100.0, 0.0, machine_size=3)
+
+
+def test_a_hybrid_mesh_times_each_group_on_its_link_and_both_links_at_once():
+    """Rank 0 of 2 machines of 2: the shard group inside machine 0 at 5 MB/s, the replicate group across at
+    2.5 MB/s; a gather inside and an all-reduce across, issued together, end together, not one after the other."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sim = sim_world.install(4, bus_gbps=0.005, latency_us=0.0, machine_size=2, net_gbps=0.0025)
+    try:
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+        part, full, counts = torch.ones(2**17), torch.empty(2**18), torch.full((2**16,), 2.0)
+        inside = sim.duration("all_gather", 2**20, 2, [0, 1])  # 1 MiB, half on the bus: 0.105 s
+        across = sim.duration("all_reduce", 2**18, 2, [0, 2])  # 256 KiB, all of it on the network: 0.105 s
+        assert across == pytest.approx(2 * 2**18 / 2 / 0.0025e9) and inside == pytest.approx(2**20 / 2 / 0.005e9)
+        start = time.perf_counter()
+        works = [dist.all_gather_into_tensor(full, part, group=shard, async_op=True),
+                 dist.all_reduce(counts, group=replicate, async_op=True)]
+        for work in works:
+            work.wait()
+        assert max(inside, across) * 0.95 <= elapsed(start) < inside + across - 0.05
+        assert torch.all(counts == 4.0)  # the SUM of the replicate group's two ranks
+        assert sim.link_seconds == pytest.approx({"machine": inside, "network": across})
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
