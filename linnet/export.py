@@ -73,6 +73,18 @@ def _file_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+def computed_config(card: Card) -> dict:
+    """The card's config, and for each key it leaves to its family's default the value the model was
+    computed with: transformers' own default for a missing key may differ (MistralConfig's sliding_window
+    is 4096 where the card, which TOML cannot give a null, means none)."""
+    checked = card.checked()
+    left_out = {decl.config_key: checked.dims[decl.name] for decl in checked.program.dims.values()
+                if decl.config_key is not None and decl.config_key not in card.config}
+    left_out |= {decl.config_key: checked.consts[decl.name] for decl in checked.program.consts.values()
+                 if decl.config_key is not None and decl.config_key not in card.config}
+    return {**card.config, **left_out}
+
+
 def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors: Iterable[tuple[str, torch.Tensor]],
                         folder: Path, dtype: torch.dtype, *, max_shard_size: int | str = "5GB") -> Path:
     """Writes `tensors` (name, tensor), which must arrive in the order of `shapes`, converted to dtype.
@@ -101,7 +113,7 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
             totals = {"total_parameters": sum(prod(s) for s in shapes.values()), "total_size": sum(sizes.values())}
             index = {"metadata": totals, "weight_map": {n: file for file, in_file in zip(names, plan) for n in in_file}}
             (partial / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        config = {**card.config, "torch_dtype": _DTYPE_NAMES[dtype]}
+        config = {**computed_config(card), "torch_dtype": _DTYPE_NAMES[dtype]}
         (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _move_into(folder, partial)
     except Exception as error:

@@ -1,4 +1,4 @@
-"""Tiny random Llama models saved by transformers, and cards that point at them."""
+"""Tiny random models saved by transformers (Llama, and every family Linnet has), and cards that point at them."""
 
 from __future__ import annotations
 
@@ -20,29 +20,11 @@ def save_hf_llama(folder: Path, seed: int = 0, rope_scaling: dict | None = None,
                   dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """A LlamaForCausalLM with random weights, written by save_pretrained (in files of at most
     max_shard_size, with an index when there are several); returns its card."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = {**BASE, **overrides}
-    torch.manual_seed(seed)
-    hf_config = LlamaConfig(**config, rope_scaling=rope_scaling)
-    model = LlamaForCausalLM(hf_config)
-    with torch.no_grad():  # norms are ones at init; perturb them so that a swapped norm would show
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-    model.to(dtype).save_pretrained(folder / "hf", max_shard_size=max_shard_size)
-    return write_card(folder, config, rope_scaling, repo=str(folder / "hf"))
+    return save_hf_model(folder, "llama", seed, rope_scaling, max_shard_size, dtype, **overrides)
 
 
 def write_card(folder: Path, config: dict, rope_scaling: dict | None, repo: str, name: str = "test-llama") -> Path:
-    scaling = rope_scaling or {"rope_type": "default"}
-    lines = [f'name = "{name}"', 'family = "llama"', "", "[weights]", f"repo = {json.dumps(repo)}", "", "[config]",
-             'model_type = "llama"', 'architectures = ["LlamaForCausalLM"]']
-    lines += [f"{key} = {json.dumps(value)}" for key, value in config.items()]
-    lines.append("rope_scaling = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in scaling.items()) + " }")
-    path = folder / f"{name}.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_model_card(folder, "llama", config, rope_scaling or {"rope_type": "default"}, repo, name)
 
 
 def load_hf(card_path: Path, dtype=torch.float32, attn="eager"):
@@ -51,4 +33,57 @@ def load_hf(card_path: Path, dtype=torch.float32, attn="eager"):
     from linnet.cards import resolve
 
     model = LlamaForCausalLM.from_pretrained(resolve(card_path).weights.repo, dtype=dtype, attn_implementation=attn)
+    return model.eval()
+
+
+def save_hf_model(folder: Path, model_type: str, seed: int = 0, rope_scaling: dict | None = None,
+                  max_shard_size: str = "5GB", dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """save_hf_llama for any model_type Linnet has a family for (transformers' model of that type, with
+    BASE's numbers and `overrides`); returns its card. An override of None leaves the key out of the card
+    (TOML has no null), and out of transformers' config too unless that declares it (Mistral's sliding_window)."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config_class = CONFIG_MAPPING[model_type]
+    declared = {f.name for f in dataclasses.fields(config_class)}
+    config = {**BASE, **overrides}
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config_class(
+        **{k: v for k, v in config.items() if v is not None or k in declared}, rope_scaling=rope_scaling))
+    with torch.no_grad():  # norms are ones and biases zeros at init; perturb them so that a swapped or lost one would show
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.to(dtype).save_pretrained(folder / "hf", max_shard_size=max_shard_size)
+    return write_model_card(folder, model_type, config, rope_scaling, repo=str(folder / "hf"))
+
+
+def write_model_card(folder: Path, model_type: str, config: dict, rope_scaling: dict | None, repo: str,
+                     name: str | None = None) -> Path:
+    """write_card for any model_type: the card of its family (linnet.cards.huggingface.FAMILIES); keys whose
+    value is None, and a rope_scaling of None, are left out, as a card leaves out config.json's nulls."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from linnet.cards.huggingface import FAMILIES
+
+    name = name or f"test-{model_type}"
+    lines = [f'name = "{name}"', f'family = "{FAMILIES[model_type]}"', "", "[weights]", f"repo = {json.dumps(repo)}", "",
+             "[config]", f'model_type = "{model_type}"',
+             f'architectures = ["{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}"]']
+    lines += [f"{key} = {json.dumps(value)}" for key, value in config.items() if value is not None]
+    if rope_scaling is not None:
+        lines.append("rope_scaling = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in rope_scaling.items()) + " }")
+    path = folder / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def load_hf_model(card_path: Path, dtype=torch.float32, attn="eager"):
+    """load_hf for any family: transformers' model of the card's model_type, from the card's folder."""
+    from transformers import AutoModelForCausalLM
+
+    from linnet.cards import resolve
+
+    model = AutoModelForCausalLM.from_pretrained(resolve(card_path).weights.repo, dtype=dtype, attn_implementation=attn)
     return model.eval()

@@ -132,3 +132,17 @@ def test_an_unknown_name_lists_every_kind_of_card():
     with pytest.raises(UnknownCard, match=r"unknown card 'tiny-lama' \(did you mean 'tiny-llama'\?\): give a shipped card's name .* "
                                           r"a Hugging Face model folder, or a hub id in the local Hugging Face cache"):
         resolve("tiny-lama")
+
+
+def test_a_llama_folder_without_head_dim_takes_hidden_size_over_heads(tmp_path):
+    """Llama 3.1's published config.json has no head_dim: transformers takes hidden_size / heads, and so does the card."""
+    save_hf_llama(tmp_path)
+    folder = tmp_path / "hf"
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("head_dim") == config["hidden_size"] // config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(config))
+    ids = tokens(config["vocab_size"])
+    torch.testing.assert_close(nest.load(folder, generics=GENERICS, entry="logits")(ids), transformers_logits(folder, ids),
+                               rtol=2e-5, atol=2e-5)
+    written = nest.load(folder, generics=GENERICS, entry="logits").save_weights(tmp_path / "out", dtype=torch.float32)
+    assert json.loads((written / "config.json").read_text())["head_dim"] == config["hidden_size"] // config["num_attention_heads"]

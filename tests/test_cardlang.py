@@ -93,8 +93,8 @@ def test_statements_and_declarations_outside_the_language():
 
 
 def test_missing_config_key_names_the_instance_card():
-    config = {k: v for k, v in CONFIG.items() if k != "head_dim"}
-    with pytest.raises(CardError, match=r"tiny-llama.toml: \[config\] head_dim must be a positive integer"):
+    config = {k: v for k, v in CONFIG.items() if k != "num_key_value_heads"}
+    with pytest.raises(CardError, match=r"tiny-llama.toml: \[config\] num_key_value_heads must be a positive integer"):
         check_program(parse_program(LLAMA, "llama.arch"), config, "tiny-llama.toml")
 
 
@@ -118,3 +118,131 @@ def test_generics_errors(generics, message):
     with pytest.raises(GenericsError) as caught:
         bind_generics(resolve("tiny-llama").checked(), generics)
     assert message in str(caught.value)
+
+
+# Settings of the instance card that a family does not compute fail when the card is checked (at load),
+# with the [config] key, the value and what the family computes; a key the card leaves out is transformers'
+# default.
+
+def refused(config: dict, program: str = LLAMA, *fragments: str) -> str:
+    with pytest.raises(CardError) as caught:
+        check_program(parse_program(program, "family.arch"), config, "mine.toml")
+    message = str(caught.value)
+    assert message.startswith("mine.toml: [config] ") and caught.value.path == "mine.toml", message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_a_rope_scaling_that_rope_does_not_compute_fails_at_load_not_in_the_first_forward(tmp_path: Path):
+    from hf_models import write_card
+
+    from linnet import nest
+
+    config = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures", "rope_scaling")}
+    card = write_card(tmp_path, config, {"rope_type": "linear", "factor": 2.0}, repo="no weights")
+    with pytest.raises(CardError) as caught:
+        nest.load(card, generics={"Batch": 1, "MaxSeq": 8, "T": "f32"}, weights="random")
+    message = str(caught.value)
+    assert message.startswith(f"{card}: [config] rope_scaling = ")
+    assert '"rope_type": "linear"' in message and 'rope_type "default" or "llama3", not "linear"' in message
+    assert "llama.arch:" in message  # where rope() is called
+
+
+@pytest.mark.parametrize("key", ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"])
+def test_a_llama3_scaling_lacking_a_key_is_refused(key):
+    scaling = {k: v for k, v in CONFIG["rope_scaling"].items() if k != key}
+    refused({**CONFIG, "rope_scaling": scaling}, LLAMA, "[config] rope_scaling = ", f"needs {key} in a llama3 scaling")
+
+
+@pytest.mark.parametrize("scaling, fragment", [
+    ({"type": "llama3"}, 'needs a table with rope_type ("default" or "llama3"), or no rope_scaling'),
+    ({**CONFIG["rope_scaling"], "low_freq_factor": 4.0}, "needs low_freq_factor < high_freq_factor"),
+    ({**CONFIG["rope_scaling"], "factor": "8"}, "needs positive numbers for factor"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor must be 1.0"),
+])
+def test_rope_scalings_rope_cannot_compute_are_refused(scaling, fragment):
+    refused({**CONFIG, "rope_scaling": scaling}, LLAMA, fragment)
+
+
+@pytest.mark.parametrize("key, value, computed", [
+    ("hidden_act", "gelu", 'hidden_act = "silu" only'),
+    ("attention_bias", True, "attention_bias = false only"),
+    ("attention_bias", 0, "attention_bias = false only"),  # false, not a number that Python would call false
+    ("mlp_bias", True, "mlp_bias = false only"),
+    ("attention_dropout", 0.1, "attention_dropout = 0.0 only"),
+    ("sliding_window", 4096, "sliding_window = null only"),  # Mistral 7B v0.1's window
+    ("model_type", "qwen2", 'model_type = "llama" or "mistral" only'),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor = 1.0 only"),
+])
+def test_llama_settings_it_does_not_compute_are_refused(key, value, computed):
+    import json
+
+    refused({**CONFIG, key: value}, LLAMA, f"[config] {key} = {json.dumps(value)} is not supported: family.arch computes "
+                                           f"{computed}", f"(const {key}, family.arch:")
+
+
+def test_absent_settings_are_transformers_defaults_and_numbers_compare_as_numbers():
+    assert not {"hidden_act", "attention_bias", "mlp_bias", "attention_dropout", "sliding_window"} & set(CONFIG)
+    checked = check_program(parse_program(LLAMA, "family.arch"), {**CONFIG, "attention_dropout": 0}, "mine.toml")
+    assert checked.consts["hidden_act"] == "silu" and checked.consts["sliding_window"] is None
+    no_scaling = {k: v for k, v in CONFIG.items() if k != "rope_scaling"}
+    assert check_program(parse_program(LLAMA, "family.arch"), no_scaling, "mine.toml").consts["rope_scaling"] is None
+    with pytest.raises(CardError, match=r"mine.toml: \[config\] lacks model_type \(const model_type of family.arch:"):
+        check_program(parse_program(LLAMA, "family.arch"), {k: v for k, v in CONFIG.items() if k != "model_type"}, "mine.toml")
+
+
+QWEN2 = (CARDS_DIR / "qwen2.arch").read_text()
+QWEN3 = (CARDS_DIR / "qwen3.arch").read_text()
+
+
+@pytest.mark.parametrize("program", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])
+def test_qwen_sliding_windows_are_refused_and_full_attention_layers_are_not(program):
+    name = "qwen2" if program is QWEN2 else "qwen3"
+    config = {**resolve(f"tiny-{name}").config}
+    refused({**config, "use_sliding_window": True}, program, "[config] use_sliding_window = true is not supported")
+    sliding = ["full_attention", "sliding_attention"]
+    refused({**config, "layer_types": sliding}, program, 'layer_types = null or a list of "full_attention" only')
+    checked = check_program(parse_program(program, "family.arch"), {**config, "layer_types": ["full_attention"] * 2,
+                                                                    "sliding_window": 4096}, "mine.toml")
+    assert checked.consts["layer_types"] == ["full_attention"] * 2  # transformers 5.x writes one a layer
+    refused({**config, "model_type": "llama"}, program, f'model_type = "{name}" only')
+
+
+def test_a_dimension_left_out_is_its_default():
+    qwen2 = resolve("tiny-qwen2").config
+    assert "head_dim" not in qwen2
+    assert check_program(parse_program(QWEN2, "qwen2.arch"), qwen2, "mine.toml").dims["HeadDim"] == 96 // 4
+    qwen3 = {k: v for k, v in resolve("tiny-qwen3").config.items() if k != "head_dim"}
+    assert check_program(parse_program(QWEN3, "qwen3.arch"), qwen3, "mine.toml").dims["HeadDim"] == 128  # Qwen3Config's
+    with pytest.raises(CardError, match=r"mine.toml: \[config\] lacks head_dim, and its default \(hidden_size // "
+                                        r"num_attention_heads = 96 // 5, dimension HeadDim of .*\) does not divide "
+                                        r"exactly: give head_dim"):
+        check_program(parse_program(QWEN2, "qwen2.arch"), {**qwen2, "num_attention_heads": 5}, "mine.toml")
+
+
+@pytest.mark.parametrize("old, new, fragment", [
+    ('hidden_act = const(config="hidden_act", default="silu", allowed=["silu"])',
+     'hidden_act = const(config="hidden_act", default="gelu", allowed=["silu"])', "its default 'gelu' is not among the values it allows"),
+    ('mlp_bias = const(config="mlp_bias", default=False, allowed=[False])',
+     'mlp_bias = const(config="mlp_bias", default=False, allowed=False)', "allowed= must be a non-empty list of values"),
+    ('mlp_bias = const(config="mlp_bias", default=False, allowed=[False])',
+     'mlp_bias = const(config="mlp_bias", default=tied, allowed=[False])', "default= must be a literal value, got `tied`"),
+    ('HeadDim = dim(config="head_dim", default=D // Heads)', 'HeadDim = dim(config="head_dim", default=D // Batch)',
+     "default=: `Batch` is not a dimension of the instance card declared above"),
+    ('HeadDim = dim(config="head_dim", default=D // Heads)', 'HeadDim = dim(config="head_dim", default=D - Heads)',
+     "a product or quotient (`*`, `//`) of them, got `D - Heads`"),
+])
+def test_mistakes_in_a_setting_or_a_default_name_the_program_line(old, new, fragment):
+    source, line = broken(old, new)
+    expect(source, line, fragment)
+
+
+def test_settings_a_card_only_checks_are_not_in_the_generated_source():
+    from linnet.emit.source import emit
+    from linnet.emit.torch_backend import TORCH
+
+    source = emit(resolve("tiny-llama").checked(), TORCH, card_name="tiny", generics={"Batch": 1, "MaxSeq": 8, "T": "f32"},
+                  numerics="exact", cast_dtype=False)
+    assert "rope_scaling = {" in source and "norm_eps = 1e-05" in source
+    assert "hidden_act" not in source and "model_type" not in source

@@ -7,6 +7,7 @@ that does not fit is a CardError at its line, before any source is emitted."""
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import dataclass
 
 from linnet.cardlang.errors import CardError
@@ -43,6 +44,8 @@ def check_program(program: Program, config: dict, config_path: str) -> Checked:
         if decl.config_key is None:
             continue
         value = config.get(decl.config_key)
+        if value is None and decl.default is not None:  # absent (or null): transformers' default
+            value = _dim_default(decl, decl.default, dims, program, config_path)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise CardError(
                 config_path, None,
@@ -51,9 +54,19 @@ def check_program(program: Program, config: dict, config_path: str) -> Checked:
             )
         dims[decl.name] = value
     for decl in program.consts.values():
-        if decl.config_key not in config:
+        if decl.config_key in config:
+            value = config[decl.config_key]
+        elif decl.has_default:
+            value = decl.default
+        else:
             raise CardError(config_path, None, f"[config] lacks {decl.config_key} (const {decl.name} of {program.path}:{decl.line})")
-        consts[decl.name] = config[decl.config_key]
+        if not decl.supports(value):
+            raise CardError(
+                config_path, None,
+                f"[config] {decl.config_key} = {_json(value)} is not supported: {program.path.rsplit('/', 1)[-1]} "
+                f"computes {decl.config_key} = {decl.supported()} only (const {decl.name}, {program.path}:{decl.line})",
+            )
+        consts[decl.name] = value
     checked = Checked(program, dims, consts, {})
     for group in program.groups.values():
         if group.repeat is not None and group.repeat.substitute(dims).names:
@@ -63,14 +76,15 @@ def check_program(program: Program, config: dict, config_path: str) -> Checked:
             if free:
                 raise CardError(program.path, weight.line, f"weight {weight.name} has generic dimensions {free}; weights need fixed shapes")
     for function in program.functions.values():
-        _FunctionChecker(checked, function).run()
+        _FunctionChecker(checked, function, config_path).run()
     _reject_recursion(program)
     return checked
 
 
 class _FunctionChecker:
-    def __init__(self, checked: Checked, function: FunctionDecl):
+    def __init__(self, checked: Checked, function: FunctionDecl, config_path: str):
         self.checked, self.program, self.function = checked, checked.program, function
+        self.config_path = config_path
         self.env = {}
         self.node: ast.AST | None = None
         for param in function.params:
@@ -81,6 +95,15 @@ class _FunctionChecker:
     def fail(self, message: str):
         line = getattr(self.node, "lineno", None) or getattr(self.node, "line", None) or self.function.line
         raise CardError(self.program.path, line, f"in {self.function.name}: {message}")
+
+    def fail_setting(self, value: ConstValue, message: str):
+        """A setting of the instance card that a primitive does not compute: the card's mistake, named there
+        (a number written in the program is the program's)."""
+        if value.key is None:
+            self.fail(f"{value.name}: {message}")
+        line = getattr(self.node, "lineno", None) or self.function.line
+        raise CardError(self.config_path, None, f"[config] {value.key} = {_json(value.value)}: {message} "
+                                                f"(in {self.function.name}, {self.program.path}:{line})")
 
     def run(self) -> None:
         body = self.function.body
@@ -169,7 +192,7 @@ class _FunctionChecker:
         if name in self.program.dims:
             return DimValue(Dim.named(name))
         if name in self.program.consts:
-            return ConstValue(name, self.checked.consts[name])
+            return ConstValue(name, self.checked.consts[name], self.program.consts[name].config_key)
         if name in self.program.groups:
             group = self.program.groups[name]
             if group.repeat is not None:
@@ -202,7 +225,8 @@ class _FunctionChecker:
             unknown = set(keywords) - set(primitive.keywords)
             if unknown:
                 self.fail(f"{name}() takes no keyword {sorted(unknown)[0]}=; it takes {list(primitive.keywords) or 'none'}")
-            return primitive.rule(CallTypes(name, args, keywords, self.checked.dims, self.program.compute_dtype, self.fail))
+            return primitive.rule(CallTypes(name, args, keywords, self.checked.dims, self.program.compute_dtype, self.fail,
+                                            self.fail_setting))
         function = self.program.functions.get(name)
         if function is None:
             self.fail(f"unknown operation `{name}`: expected a primitive ({', '.join(sorted(PRIMITIVES))}) or a function of the card")
@@ -227,6 +251,36 @@ class _FunctionChecker:
             if isinstance(tensor, TensorType) and isinstance(other, ConstValue) and isinstance(other.value, (int, float)):
                 return tensor
         self.fail(f"cannot compute {left} {symbol} {right}")
+
+
+def _dim_default(decl, node: ast.expr, dims: dict[str, int], program: Program, config_path: str) -> int:
+    """The value of a dimension's default= (checked by the parser: integers, dims declared above, `*`, `//`)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return dims[node.id]
+    left = _dim_default(decl, node.left, dims, program, config_path)
+    right = _dim_default(decl, node.right, dims, program, config_path)
+    if isinstance(node.op, ast.Mult):
+        return left * right
+    if left % right:
+        raise CardError(config_path, None, f"[config] lacks {decl.config_key}, and its default ({_spelled(node, program)} = {left} // "
+                                           f"{right}, dimension {decl.name} of {program.path}:{decl.line}) does not "
+                                           f"divide exactly: give {decl.config_key}")
+    return left // right
+
+
+def _spelled(node: ast.expr, program: Program) -> str:
+    """A dimension's default in the instance card's words: `hidden_size // num_attention_heads`."""
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    if isinstance(node, ast.Name):
+        return program.dims[node.id].config_key
+    return f"{_spelled(node.left, program)} {'*' if isinstance(node.op, ast.Mult) else '//'} {_spelled(node.right, program)}"
+
+
+def _json(value) -> str:
+    return json.dumps(value, default=repr)
 
 
 def _reject_recursion(program: Program) -> None:

@@ -3,8 +3,10 @@
 The module level holds declarations only:
 
     D = dim(config="hidden_size")      # fixed by the instance card
+    HeadDim = dim(config="head_dim", default=D // Heads)  # where [config] lacks it
     Batch = dim()                      # a generic, bound at load
     norm_eps = const(config="rms_norm_eps")
+    act = const(config="hidden_act", default="silu", allowed=["silu"])  # all the family computes
     T = dtype()                        # the generic compute dtype
     class Layer(Group, repeat=Layers):  # weights gathered together
         q_proj: W[Heads * HeadDim, D] = "model.layers.{i}.self_attn.q_proj.weight"
@@ -98,26 +100,67 @@ class _Parser:
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
             raise self.error(node, f"expected `{name} = dim(...)`, `const(config=...)` or `dtype()`")
         kind = call.func.id
-        keywords = self.keywords(call, allowed={"config"})
+        allowed = {"dim": {"config", "default"}, "const": {"config", "default", "allowed", "each"}}.get(kind, {"config"})
+        keywords = self.keywords(call, allowed=allowed)
         if call.args:
-            raise self.error(node, f"{kind}() takes only the keyword `config=`")
+            raise self.error(node, f"{kind}() takes only keywords: {', '.join(f'{k}=' for k in sorted(allowed))}")
         config = keywords.get("config")
         if config is not None and not (isinstance(config, ast.Constant) and isinstance(config.value, str)):
             raise self.error(node, "config= must name a key of the instance card's [config] as a string")
         key = config.value if config is not None else None
         line = node.lineno
         if kind == "dim":
-            self.program.dims[name] = DimDecl(name, key, line)
+            default = keywords.get("default")
+            if default is not None:
+                if key is None:
+                    raise self.error(node, f"dim {name} is a generic, bound at load: default= needs config=")
+                self.dim_default(default)
+            self.program.dims[name] = DimDecl(name, key, line, default)
         elif kind == "const":
             if key is None:
                 raise self.error(node, f"const() needs config=: which [config] key gives {name}")
-            self.program.consts[name] = ConstDecl(name, key, line)
+            self.program.consts[name] = self.const(name, key, keywords, node)
         elif kind == "dtype":
             if key is not None:
                 raise self.error(node, "dtype() is a generic, bound at load; it takes no config=")
             self.program.dtypes[name] = DtypeDecl(name, line)
         else:
             raise self.error(node, f"unknown declaration {kind}(): expected dim, const or dtype")
+
+    def dim_default(self, node: ast.expr) -> None:
+        """A dimension's default: integers and dimensions the card fixes, declared above, with `*` and `//`."""
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool) and node.value > 0:
+            return
+        if isinstance(node, ast.Name):
+            decl = self.program.dims.get(node.id)
+            if decl is None or decl.config_key is None:
+                raise self.error(node, f"default=: `{node.id}` is not a dimension of the instance card declared above")
+            return
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.FloorDiv)):
+            self.dim_default(node.left)
+            self.dim_default(node.right)
+            return
+        raise self.error(node, f"default= of a dim: expected a positive integer, a dimension declared above, or "
+                               f"a product or quotient (`*`, `//`) of them, got `{ast.unparse(node)}`")
+
+    def const(self, name: str, key: str, keywords: dict[str, ast.expr], node: ast.stmt) -> ConstDecl:
+        values = {}
+        for keyword in ("default", "allowed", "each"):
+            if keyword in keywords:
+                try:
+                    values[keyword] = ast.literal_eval(keywords[keyword])
+                except ValueError:
+                    raise self.error(node, f"const {name}: {keyword}= must be a literal value, got "
+                                           f"`{ast.unparse(keywords[keyword])}`") from None
+        for keyword in ("allowed", "each"):
+            if keyword in values and not (isinstance(values[keyword], list) and values[keyword]):
+                raise self.error(node, f"const {name}: {keyword}= must be a non-empty list of values, got {values[keyword]!r}")
+        decl = ConstDecl(name, key, node.lineno, "default" in values, values.get("default"),
+                         tuple(values["allowed"]) if "allowed" in values else None,
+                         tuple(values["each"]) if "each" in values else None)
+        if decl.has_default and not decl.supports(decl.default):
+            raise self.error(node, f"const {name}: its default {decl.default!r} is not among the values it allows")
+        return decl
 
     def check_new_name(self, name: str, node: ast.AST) -> None:
         if name in _RESERVED:

@@ -1,11 +1,14 @@
 """The primitives a card may call, with their type rules.
 
 Each emitter gives every primitive an implementation of the same name and
-parameters (linnet/emit/torch_prims.py, linnet/emit/jax_prims.py); adding a
-primitive is adding a rule here and a function to each of those."""
+parameters (linnet/emit/prims_torch.py, linnet/emit/prims_jax.py); adding a
+primitive is adding a rule here and a function to each of those. A rule also
+refuses the settings of the instance card that its primitive does not compute
+(`rope`'s scaling), so that a card fails when it is checked, not when it runs."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -23,11 +26,12 @@ class Primitive:
 class CallTypes:
     """The argument types of one primitive call, and ways to demand of them.
 
-    `fail` comes from the checker and raises a CardError at the call's line."""
+    `fail` comes from the checker and raises a CardError at the call's line;
+    `fail_setting` raises one at the instance card, naming a [config] key."""
 
-    def __init__(self, name, args, keywords, known, compute, fail):
+    def __init__(self, name, args, keywords, known, compute, fail, fail_setting):
         self.name, self.args, self.keywords = name, args, keywords
-        self.known, self.compute, self.fail = known, compute, fail
+        self.known, self.compute, self.fail, self.fail_setting = known, compute, fail, fail_setting
 
     def tensor(self, index: int, dtype: str | None = None, rank: int | None = None) -> TensorType:
         value, what = self.args[index], self.what(index)
@@ -56,6 +60,10 @@ class CallTypes:
         if not isinstance(value, ConstValue):
             self.fail(f"{self.name}() needs {keyword}= set to a const of the card, got {value}")
         return value
+
+    def unsupported(self, value: ConstValue, message: str):
+        """The instance card's setting `value` is one this primitive does not compute."""
+        self.fail_setting(value, f"{self.name}() {message}")
 
     def same(self, a: Dim, b: Dim, what: str) -> None:
         if a.substitute(self.known) != b.substitute(self.known):
@@ -107,6 +115,13 @@ def _linear(call: CallTypes):
     return TensorType(call.compute, x.dims[:-1] + weight.dims[:1])
 
 
+def _linear_bias(call: CallTypes):
+    out = _linear(call)
+    bias = call.tensor(2, dtype=call.compute, rank=1)
+    call.same(bias.dims[0], out.dims[-1], "the bias against the weight's outputs (W[Out, In])")
+    return out
+
+
 def _split_heads(call: CallTypes):
     x = call.tensor(0, rank=3)
     heads = call.dim(1)
@@ -120,13 +135,46 @@ def _merge_heads(call: CallTypes):
     return TensorType(x.dtype, (batch, seq, heads * head_dim))
 
 
+# The frequency scalings rope() computes, each with the keys it reads (transformers' rope_type).
+_ROPE_SCALINGS = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 def _rope(call: CallTypes):
     positions = call.tensor(0, dtype="i32", rank=2)
     head_dim = call.dim(1)
-    call.const("theta")
-    call.const("scaling")
+    theta = call.const("theta")
+    if not _positive_number(theta.value):
+        call.unsupported(theta, "needs a positive number for theta")
+    _rope_scaling(call, call.const("scaling"))
     table = TensorType("f32", positions.dims + (head_dim,))
     return TupleType((table, table))
+
+
+def _rope_scaling(call: CallTypes, scaling: ConstValue) -> None:
+    """None (absent: transformers' default) or a table whose rope_type rope() computes, with every key it reads."""
+    value = scaling.value
+    if value is None:
+        return
+    supported = " or ".join(f'"{kind}"' for kind in _ROPE_SCALINGS)
+    if not isinstance(value, dict) or "rope_type" not in value:
+        call.unsupported(scaling, f"needs a table with rope_type ({supported}), or no rope_scaling")
+    kind = value["rope_type"]
+    if kind not in _ROPE_SCALINGS:
+        call.unsupported(scaling, f"computes rope_type {supported}, not {json.dumps(kind, default=repr)}")
+    missing = [key for key in _ROPE_SCALINGS[kind] if key not in value]
+    if missing:
+        call.unsupported(scaling, f"needs {', '.join(missing)} in a {kind} scaling")
+    numbers = [key for key in _ROPE_SCALINGS[kind] if not _positive_number(value[key])]
+    if numbers:
+        call.unsupported(scaling, f"needs positive numbers for {', '.join(numbers)}")
+    if kind == "llama3" and not value["low_freq_factor"] < value["high_freq_factor"]:
+        call.unsupported(scaling, "needs low_freq_factor < high_freq_factor in a llama3 scaling")
+    if value.get("partial_rotary_factor", 1.0) != 1.0:  # transformers 5.x keeps it among the rope settings
+        call.unsupported(scaling, "rotates every dimension of a head: partial_rotary_factor must be 1.0")
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _rotate(call: CallTypes):
@@ -186,6 +234,7 @@ PRIMITIVES: dict[str, Primitive] = {
     "embedding": Primitive(("tokens", "table"), (), _embedding),
     "rms_norm": Primitive(("x", "weight"), ("eps",), _rms_norm),
     "linear": Primitive(("x", "weight"), (), _linear),
+    "linear_bias": Primitive(("x", "weight", "bias"), (), _linear_bias),
     "split_heads": Primitive(("x", "heads"), (), _split_heads),
     "merge_heads": Primitive(("x",), (), _merge_heads),
     "rope": Primitive(("positions", "head_dim"), ("theta", "scaling"), _rope),

@@ -6,6 +6,7 @@ translate them. Nothing here is ever executed."""
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import dataclass, field
 
 from linnet.cardlang.types import Dim
@@ -21,13 +22,45 @@ class DimDecl:
     name: str
     config_key: str | None  # None: a generic, bound at load
     line: int
+    default: ast.expr | None = None  # where [config] lacks the key: integers and earlier dims, `*` and `//`
 
 
 @dataclass(frozen=True)
 class ConstDecl:
+    """A setting of the instance card's [config]. `allowed` and `each` state what the family computes:
+    a value it does not is an error when the card is checked, never a different computation."""
+
     name: str
     config_key: str
     line: int
+    has_default: bool = False
+    default: object = None  # the value where [config] lacks the key: transformers' default
+    allowed: tuple | None = None  # the values computed; None: any
+    each: tuple | None = None  # a per-layer list is computed when each of its items is one of these
+
+    def supports(self, value) -> bool:
+        if self.allowed is None and self.each is None:
+            return True
+        if self.allowed is not None and any(same_setting(value, a) for a in self.allowed):
+            return True
+        return self.each is not None and isinstance(value, list) and all(
+            any(same_setting(item, e) for e in self.each) for item in value)
+
+    def supported(self) -> str:
+        """What the family computes, in config.json's spelling."""
+        options = [json.dumps(a) for a in self.allowed or ()]
+        if self.each is not None:
+            options.append(f"a list of {' or '.join(json.dumps(e) for e in self.each)}")
+        return " or ".join(options)
+
+
+def same_setting(a, b) -> bool:
+    """Equal as settings: numbers by value (0 is 0.0), but false is not 0 and "1" is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
 
 
 @dataclass(frozen=True)

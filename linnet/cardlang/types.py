@@ -100,6 +100,7 @@ class ConstValue:
 
     name: str
     value: object = field(compare=False)
+    key: str | None = field(default=None, compare=False)  # the [config] key it comes from
 
     def __str__(self) -> str:
         return f"constant {self.name}"

@@ -27,6 +27,10 @@ def linear(x, weight):
     return jnp.einsum("...i,oi->...o", x, weight)
 
 
+def linear_bias(x, weight, bias):
+    return jnp.einsum("...i,oi->...o", x, weight) + bias
+
+
 def split_heads(x, heads):
     batch, seq, width = x.shape
     return x.reshape(batch, seq, heads, width // heads).transpose(0, 2, 1, 3)  # (B, H, S, Dh)
@@ -39,9 +43,10 @@ def merge_heads(x):
 
 def rope(positions, head_dim, theta, scaling):
     # The inverse frequencies in f32 as transformers computes them; they are
-    # constants, so numpy computes them once at trace time.
+    # constants, so numpy computes them once at trace time. The card's check
+    # allows no scaling, "default" or "llama3".
     inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)))).astype(np.float32)
-    if scaling["rope_type"] == "llama3":
+    if scaling is not None and scaling["rope_type"] == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         context = scaling["original_max_position_embeddings"]
         wavelen = (2 * math.pi / inv_freq).astype(np.float32)
@@ -50,8 +55,6 @@ def rope(positions, head_dim, theta, scaling):
         smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
         medium = ~(wavelen < context / high) & ~(wavelen > context / low)
         inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
-    elif scaling["rope_type"] != "default":
-        raise ValueError(f"rope_scaling type {scaling['rope_type']!r} is not supported: expected llama3 or default")
     angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # (B, S, Dh / 2)
     angles = jnp.concatenate((angles, angles), axis=-1)  # (B, S, Dh)
     return jnp.cos(angles), jnp.sin(angles)
@@ -115,7 +118,7 @@ def cross_entropy(hidden, head, targets, weights):
 
 _SHARED = {
     f.__name__: f
-    for f in (embedding, rms_norm, linear, split_heads, merge_heads, rope, rotate, silu,
+    for f in (embedding, rms_norm, linear, linear_bias, split_heads, merge_heads, rope, rotate, silu,
               arange_positions, causal_mask, document_mask, to_f32, cross_entropy)
 }
 EXACT = {**_SHARED, "attention": attention_exact}

@@ -27,6 +27,11 @@ def linear(x, weight):
     return F.linear(x, weight)
 
 
+def linear_bias(x, weight, bias):
+    # One fused product and sum, as transformers' nn.Linear with a bias.
+    return F.linear(x, weight, bias)
+
+
 def split_heads(x, heads):
     batch, seq, width = x.shape
     return x.view(batch, seq, heads, width // heads).transpose(1, 2)  # (B, H, S, Dh)
@@ -39,9 +44,10 @@ def merge_heads(x):
 
 def rope(positions, head_dim, theta, scaling):
     # The inverse frequencies as transformers computes them (on the CPU, in
-    # f32), so that the angles agree to the last bit.
+    # f32), so that the angles agree to the last bit. The card's check allows no
+    # scaling, "default" or "llama3".
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling["rope_type"] == "llama3":
+    if scaling is not None and scaling["rope_type"] == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         context = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
@@ -50,8 +56,6 @@ def rope(positions, head_dim, theta, scaling):
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < context / high) * ~(wavelen > context / low)
         inv_freq = torch.where(medium, smoothed, scaled)
-    elif scaling["rope_type"] != "default":
-        raise ValueError(f"rope_scaling type {scaling['rope_type']!r} is not supported: expected llama3 or default")
     angles = positions.float()[:, :, None] * inv_freq.to(positions.device)  # (B, S, Dh / 2)
     angles = torch.cat((angles, angles), dim=-1)  # (B, S, Dh)
     return angles.cos(), angles.sin()
@@ -145,7 +149,7 @@ def cross_entropy(hidden, head, targets, weights):
 
 _SHARED = {
     f.__name__: f
-    for f in (embedding, rms_norm, linear, split_heads, merge_heads, rope, rotate, silu,
+    for f in (embedding, rms_norm, linear, linear_bias, split_heads, merge_heads, rope, rotate, silu,
               arange_positions, to_f32, cross_entropy)
 }
 EXACT = {**_SHARED, "attention": attention_exact, "causal_mask": causal_mask_exact, "document_mask": document_mask}
