@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from distributed import run
 from linnet import nest
 from linnet.cards import resolve
-from linnet.export import parse_size, plan_files, write_hf_checkpoint
+from linnet.export import computed_config, parse_size, plan_files, write_hf_checkpoint
 
 GENERICS = {"Batch": 1, "MaxSeq": 32, "T": "f32"}
 TOKENS = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(3))
@@ -164,3 +164,12 @@ def test_sharded_save_writes_the_unsharded_files_and_a_failure_reaches_every_ran
     assert first == f"writing the weights to {folder} failed: OSError: [Errno 28] No space left on device"
     assert second == f"could not write the weights to {folder}: rank 0: RuntimeError: {first}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sharded", "unsharded"]
+
+
+def test_a_key_the_card_leaves_to_its_family_is_written_as_the_model_computed_it():
+    """Mistral's card leaves sliding_window out (TOML has no null): no window. transformers' MistralConfig
+    would read a missing key as a window of 4096, so config.json says null."""
+    card = resolve("mistral-7b-v0.3")
+    assert "sliding_window" not in card.config
+    config = computed_config(card)
+    assert config["sliding_window"] is None and config["head_dim"] == 128 and config["hidden_act"] == "silu"
