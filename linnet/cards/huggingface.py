@@ -56,8 +56,6 @@ def card_config(config: dict) -> dict:
     """config.json's numbers as a card's [config]: the rope settings as rope_theta and rope_scaling."""
     out = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling")}
     rope = config.get("rope_parameters")
-    if isinstance(rope, dict) and "full_attention" in rope:  # per-layer-type tables; these families have one type
-        rope = rope["full_attention"]
     if isinstance(rope, dict):
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         if "rope_theta" in rope:
