@@ -146,3 +146,15 @@ def test_a_llama_folder_without_head_dim_takes_hidden_size_over_heads(tmp_path):
                                rtol=2e-5, atol=2e-5)
     written = nest.load(folder, generics=GENERICS, entry="logits").save_weights(tmp_path / "out", dtype=torch.float32)
     assert json.loads((written / "config.json").read_text())["head_dim"] == config["hidden_size"] // config["num_attention_heads"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "mistral"])
+def test_a_folder_of_each_family_is_a_card(tmp_path, model_type):
+    from hf_models import save_hf_model
+    from test_families import family_config
+
+    save_hf_model(tmp_path, model_type, **family_config(model_type, False))
+    folder = tmp_path / "hf"
+    ids = tokens(json.loads((folder / "config.json").read_text())["vocab_size"])
+    torch.testing.assert_close(nest.load(folder, generics=GENERICS, entry="logits")(ids), transformers_logits(folder, ids),
+                               rtol=2e-5, atol=2e-5)
