@@ -97,8 +97,8 @@ def run(system: System, shape: str, args, start: Path) -> dict:
         result = next((json.loads(line[7:]) for line in reversed(text.splitlines()) if line.startswith("RESULT ")), None)
         if result is not None or "OutOfMemoryError" not in text and "out of memory" not in text.lower():
             break
-    return dict(system=system.name, key=system.key, shape=shape, command=argv, status=status, saving=saving,
-                result=result, log=str(log.relative_to(args.out)), error=None if result else text[-2000:])
+    return dict(system=system.name, key=system.key, shape=shape, date=datetime.date.today().isoformat(), command=argv,
+                status=status, saving=saving, result=result, log=str(log.relative_to(args.out)), error=None if result else text[-2000:])
 
 
 def machine() -> dict:
@@ -138,16 +138,22 @@ def render(out: Path) -> tuple[str, Path | None]:
     """OUT/table.md and OUT/plot.png from the JSON files of a run; returns the markdown and the plot's path."""
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("*/*.json"))]
     about = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
-    lines = [f"Measured {about.get('date', '?')} on {', '.join(about.get('gpus', [])) or '?'} "
+    for r in runs:  # a run that does not say when it ran ran with the machine's file
+        r.setdefault("date", about.get("date", "?"))
+    dates = sorted({r["date"] for r in runs}) or [about.get("date", "?")]
+    lines = [f"Measured {' to '.join(dict.fromkeys((dates[0], dates[-1])))} on {', '.join(about.get('gpus', [])) or '?'} "
              f"({', '.join(f'{p} {v}' for p in VERSIONED if (v := about.get(p)))}){about.get('setting', '')}.", ""]
     order = {s.key: i for i, s in enumerate(SYSTEMS)}
     for shape in sorted({r["shape"] for r in runs}, key=list(CARDS).index):
-        lines += [f"### {CARDS[shape]}", "", "| | Step | Tokens/s | Peak a GPU | Held-out loss |", "|---|---|---|---|---|"]
+        when = sorted({r["date"] for r in runs if r["shape"] == shape})
+        heading = f"### {CARDS[shape]}" + (f" (measured {', '.join(when)})" if len(dates) > 1 else "")
+        lines += [heading, "", "| | Step | Tokens/s | Peak a GPU | Held-out loss |", "|---|---|---|---|---|"]
         for r in sorted((r for r in runs if r["shape"] == shape), key=lambda r: order.get(r["key"], 99)):
             name = r["system"] + (" (memory-saving option)" if r["saving"] else "")
             res = r["result"]
             if res is None:
-                lines.append(f"| {name} | failed ({r['status']}): see {r['log']} | | | |")
+                why = "out of memory" if "out of memory" in (r.get("error") or "").lower() else f"failed ({r['status']})"
+                lines.append(f"| {name} | {why}: see {r['log']} | | | |")
                 continue
             held = (f"{res['loss_start']:.3f} to {res['loss_end']:.3f}" if res.get("loss_start") is not None
                     and res.get("loss_end") is not None else "")

@@ -63,9 +63,16 @@ def test_the_table_and_plot_render_from_a_runs_files(tmp_path):
                                                                       saving=False, result=result, log=f"1b/{key}.log")))
     (tmp_path / "1b" / "trl-fsdp2.json").write_text(json.dumps(dict(system="TRL, FSDP2", key="trl-fsdp2", shape="1b",
                                                                     status=1, saving=True, result=None, log="1b/trl-fsdp2.log")))
+    (tmp_path / "8b").mkdir()  # a shape measured the next day, whose one run did not fit
+    (tmp_path / "8b" / "linnet-jax-no-remat.json").write_text(json.dumps(dict(
+        system="Linnet, JAX, --no-remat", key="linnet-jax-no-remat", shape="8b", date="2026-12-04", status=1, saving=False,
+        result=None, log="8b/linnet-jax-no-remat.log", error="RESOURCE_EXHAUSTED: Out of memory while trying to allocate")))
     markdown, plot = table.render(tmp_path)
     lines = markdown.splitlines()
-    assert lines[0] == "Measured 2026-12-03 on NVIDIA H200 (torch 2.11.0), 1 GPU, 30 steps of one 4096-token row a GPU."
+    assert lines[0] == ("Measured 2026-12-03 to 2026-12-04 on NVIDIA H200 (torch 2.11.0), 1 GPU, "
+                        "30 steps of one 4096-token row a GPU.")
+    assert "### llama-3.2-1b (measured 2026-12-03)" in lines and "### llama-3.1-8b (measured 2026-12-04)" in lines
+    assert "| Linnet, JAX, --no-remat | out of memory: see 8b/linnet-jax-no-remat.log | | | |" in lines
     assert "| Linnet, PyTorch | 0.077 s | 52.9K | 21.8 GiB | 6.200 to 2.100 |" in lines
     assert "| plain compiled ceiling | 0.076 s | 54.0K | 23.4 GiB |  |" in lines
     assert "| TRL, FSDP2 (memory-saving option) | failed (1): see 1b/trl-fsdp2.log | | | |" in lines
