@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from linnet import watchdog
 from linnet.agree import raise_together
 from linnet.history import History, Progress, Step
 from linnet.packing import Example, Row, pack
@@ -106,6 +107,11 @@ def train(
     checkpointer = Checkpointer(checkpoint, model, optimizer, schedule, steps=steps) if checkpoint is not None else None
     try:
         return _train(model, batches, optimizer, steps, schedule, on_step, checkpointer, checkpoint_every)
+    except RuntimeError as error:
+        # A collective that failed because peers went away (a machine died): name them, not an address.
+        if watchdog.from_communication(error) and (lost := watchdog.lost_ranks()) is not None:
+            raise lost from error
+        raise
     finally:
         if checkpointer is not None:
             checkpointer.close()

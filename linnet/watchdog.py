@@ -10,6 +10,10 @@ The heartbeat runs on its own thread, so a rank that computes, compiles or write
 not taken for a stopped one; counts, not clocks, cross hosts, so their clocks need not agree. A rank
 that leaves the process group (or exits) says so first, and is not waited for.
 
+A machine that dies closes its sockets: the others' next collective fails within seconds, naming an
+address. `linnet.train` then asks `lost_ranks` which peers' heartbeats have stopped (two beats'
+time) and raises `RanksLost`, naming them and their machine, instead of the collective's error.
+
     LINNET_STALL_TIMEOUT=600 torchrun ...    # seconds (default 300); 0 turns the watchdog off
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 import time
@@ -27,7 +32,11 @@ DEFAULT_TIMEOUT = 300.0
 FAKE_BACKENDS = {"fake", "sim"}  # torch's FakeProcessGroup, and benchmarks/sim_world.py's timed one
 DONE = "done"
 
-_watching: dict[str, threading.Thread] = {}  # group name -> its watchdog
+_watching: dict[str, _Watchdog] = {}  # group name -> its watchdog
+
+
+class RanksLost(RuntimeError):
+    """Peers that stopped answering while this rank waited for them in a collective."""
 
 
 def stall_timeout(timeout: float | None = None) -> float:
@@ -55,18 +64,44 @@ def watch(group: dist.ProcessGroup, timeout: float | None = None) -> None:
                              dist.get_process_group_ranks(group), dist.get_rank(), timeout)
     except RuntimeError:  # a store that keeps no keys (a fake group's) cannot carry heartbeats
         return
-    thread = threading.Thread(target=watchdog.run, name=f"linnet-watchdog-{group.group_name}", daemon=True)
-    _watching[group.group_name] = thread
-    thread.start()
+    _watching[group.group_name] = watchdog
+    threading.Thread(target=watchdog.run, name=f"linnet-watchdog-{group.group_name}", daemon=True).start()
+
+
+def from_communication(error: BaseException) -> bool:
+    """Whether `error` is a collective's failure (a peer gone, a broken connection): c10d's own error
+    types, or Gloo's and NCCL's RuntimeErrors, which name their library."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or "gloo" in text.lower() or "NCCL" in text
+
+
+def lost_ranks() -> RanksLost | None:
+    """After a collective failed: the peers of every watched group whose heartbeat does not move over
+    two beats, as the error to raise; None if every peer still beats (or none is watched, or the
+    store that carries the heartbeats went with them)."""
+    lost: dict[int, str] = {}
+    for watchdog in list(_watching.values()):
+        lost.update(watchdog.silent())
+    if not lost:
+        return None
+    ranks = sorted(lost)
+    where = sorted(set(lost.values()))
+    return RanksLost(f"linnet: rank {', '.join(map(str, ranks))} stopped answering ({'; '.join(where)}): their "
+                     f"heartbeats stopped while rank {dist.get_rank()} waited for them in a collective. A machine "
+                     "that died, or lost its network, takes all of its ranks with it.")
 
 
 class _Watchdog:
     def __init__(self, store, group_name: str, ranks: list[int], rank: int, timeout: float):
         self.store, self.ranks, self.rank, self.timeout = store, ranks, rank, timeout
         self.key = lambda r: f"linnet/heartbeat/{group_name}/{r}"
+        self.host_key = lambda r: f"linnet/host/{group_name}/{r}"
         self.interval = min(max(timeout / 4, 0.2), 5.0)
         self.beats = 0
         self.store.set(self.key(rank), "0")
+        # Where this rank runs, for a message about it: torchrun's machine index (GROUP_RANK) and the host.
+        machine = os.environ.get("GROUP_RANK")
+        self.store.set(self.host_key(rank), (f"machine {machine}, " if machine is not None else "") + f"host {socket.gethostname()}")
         atexit.register(self._leave)
 
     def _leave(self) -> None:
@@ -86,8 +121,7 @@ class _Watchdog:
             try:
                 self.beats += 1
                 self.store.set(self.key(self.rank), str(self.beats))
-                counts = {r: self.store.get(self.key(r)).decode() if self.store.check([self.key(r)]) else None
-                          for r in peers}
+                counts = self._counts(peers)
             except Exception:  # noqa: BLE001  (the store went away: the run is ending anyway)
                 return
             now = time.monotonic()
@@ -99,6 +133,21 @@ class _Watchdog:
             stopped = sorted(r for r, (_, moved) in seen.items() if now - moved > self.timeout)
             if stopped:
                 self._end(stopped)
+
+    def _counts(self, peers: list[int]) -> dict[int, str | None]:
+        return {r: self.store.get(self.key(r)).decode() if self.store.check([self.key(r)]) else None for r in peers}
+
+    def silent(self) -> dict[int, str]:
+        """The peers (rank -> where it ran) whose count does not move over two beats of this one's."""
+        peers = [r for r in self.ranks if r != self.rank]
+        try:
+            before = self._counts(peers)
+            time.sleep(2 * self.interval + 0.5)
+            after = self._counts(peers)
+            silent = [r for r in peers if before[r] not in (None, DONE) and after[r] == before[r]]
+            return {r: self.store.get(self.host_key(r)).decode() for r in silent}
+        except Exception:  # noqa: BLE001  (the store went with the lost machine: nothing to tell)
+            return {}
 
     def _end(self, stopped: list[int]) -> None:
         names = ", ".join(map(str, stopped))

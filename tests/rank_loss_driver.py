@@ -3,9 +3,12 @@
     torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --kill-rank 1 --at 3
     torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --bad-shape-rank 1 --at 2
     torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --stop-rank 1 --at 3
+    torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d ... tests/rank_loss_driver.py OUT [--kill-this-machine] --at 3
 
 Trains the tiny card sharded over Gloo, in linnet's `train` (--kill-rank: that
-rank SIGKILLs itself after step --at; --stop-rank: SIGSTOPs itself) or in a user's own loop (--bad-shape-rank:
+rank SIGKILLs itself after step --at; --stop-rank: SIGSTOPs itself; --kill-this-machine: given to one
+torchrun of several, its first rank SIGKILLs that torchrun, its other workers and itself, after writing
+their ranks to OUT/lost) or in a user's own loop (--bad-shape-rank:
 that rank passes a row one position longer than MaxSeq at step --at). Before
 dying, the rank writes the time (time.time()) to OUT/killed_at; every rank that
 raises writes OUT/error-RANK with the exception's type and message, then raises."""
@@ -33,6 +36,7 @@ parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--kill-rank", type=int)
 parser.add_argument("--stop-rank", type=int)
+parser.add_argument("--kill-this-machine", action="store_true")
 parser.add_argument("--bad-shape-rank", type=int)
 args = parser.parse_args()
 args.out.mkdir(parents=True, exist_ok=True)
@@ -52,6 +56,14 @@ def die(step) -> None:
     if step.step == args.at and rank in (args.kill_rank, args.stop_rank):
         (args.out / "killed_at").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL if rank == args.kill_rank else signal.SIGSTOP)
+    if step.step == args.at and args.kill_this_machine and int(os.environ["LOCAL_RANK"]) == 0:
+        (args.out / "lost").write_text(" ".join(str(rank + r) for r in range(int(os.environ["LOCAL_WORLD_SIZE"]))))
+        (args.out / "killed_at").write_text(repr(time.time()))
+        agent = os.getppid()  # the machine's torchrun, then its workers: as if the machine lost power
+        workers = [int(pid) for pid in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
+        os.kill(agent, signal.SIGKILL)
+        for pid in [pid for pid in workers if pid != os.getpid()] + [os.getpid()]:
+            os.kill(pid, signal.SIGKILL)
 
 
 def tensors(row, extra: int = 0) -> list[torch.Tensor]:
@@ -72,10 +84,10 @@ def users_loop() -> None:
 
 
 try:
-    if args.kill_rank is not None or args.stop_rank is not None:
-        train(model, iter(rows), optimizer=optimizer, steps=args.steps, on_step=die)
-    else:
+    if args.bad_shape_rank is not None:
         users_loop()
+    else:
+        train(model, iter(rows), optimizer=optimizer, steps=args.steps, on_step=die)
 except Exception as error:
     (args.out / f"error-{rank}").write_text(f"{type(error).__name__}: {error}")
     raise

@@ -54,6 +54,37 @@ def test_a_stopped_rank_ends_the_run_within_the_stall_timeout_naming_it(tmp_path
     assert re.search(r"linnet: rank 1 of 2 has not answered for 4 s", result.stderr), result.stderr[-3000:]
 
 
+def test_a_lost_machine_ends_the_other_within_a_minute_naming_its_ranks(tmp_path):
+    """Two torchrun launches on the loopback address as two machines of 2 ranks; the second machine dies
+    whole (its torchrun and both workers SIGKILLed) after step 3. The first machine's ranks fail in their
+    next collective (Gloo: "Connection reset by peer", naming an address), find whose heartbeats stopped,
+    and end naming those ranks and their machine. (Measured: 12 s after the kill.)"""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    launches = []
+    for node, extra in enumerate(([], ["--kill-this-machine"])):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc_per_node=2",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=linnet-lost-machine", str(DRIVER),
+                   str(tmp_path), "--steps", "8", *extra]
+        with open(tmp_path / f"machine-{node}.log", "w") as log:  # files, not pipes: a full pipe would stall a machine
+            launches.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
+        time.sleep(2)  # the first launch hosts the rendezvous, which must outlive the second machine
+    survivor, lost = launches
+    survivor.wait(timeout=180)
+    ended = time.time()
+    lost.wait(timeout=30)
+    stderr = (tmp_path / "machine-0.log").read_text()
+    killed_at = float((tmp_path / "killed_at").read_text())
+    assert survivor.returncode != 0
+    assert ended - killed_at < 60, f"the first machine outlived the second by {ended - killed_at:.0f} s"
+    ranks = ", ".join((tmp_path / "lost").read_text().split())
+    assert re.search(rf"RanksLost: linnet: rank {ranks} stopped answering \(machine \d+, host ", stderr), stderr[-3000:]
+
+
 def test_the_stall_timeout_is_read_from_the_environment(monkeypatch):
     from linnet.watchdog import DEFAULT_TIMEOUT, stall_timeout
 
