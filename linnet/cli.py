@@ -44,6 +44,8 @@ def _parser() -> ArgumentParser:
                                  help="with --fully-shard: how many layers' gathers run ahead (default 1)")
             command.add_argument("--one-rank", action="store_true",
                                  help="with --fully-shard: the form for one rank, where each gather is a cast")
+            command.add_argument("--replicas", type=at_least(1), default=1, metavar="N",
+                                 help="with --fully-shard: the form for hybrid sharding, each part on N replicas")
     return parser
 
 
@@ -74,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.fully_shard:
             from linnet.emit.schedule import Schedule
 
-            schedule = Schedule(args.prefetch, communicates=not args.one_rank)
+            schedule = Schedule(args.prefetch, communicates=not args.one_rank, replicas=args.replicas)
     else:
         from linnet.emit.jax_backend import JAX as backend
     sys.stdout.write(emit(checked, backend, card_name=card.name, generics=generics, numerics=args.numerics,

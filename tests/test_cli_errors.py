@@ -17,6 +17,8 @@ from linnet.cli import main
      "argument --numerics: invalid choice: 'fastest' (choose from 'exact', 'fast') (see linnet jax --help)"),
     (["torch", "tiny-llama", "--fully-shard", "--prefetch", "-1"],
      "argument --prefetch: must be at least 0, got -1 (see linnet torch --help)"),
+    (["torch", "tiny-llama", "--fully-shard", "--replicas", "0"],
+     "argument --replicas: must be at least 1, got 0 (see linnet torch --help)"),
     (["torch", "tiny-llama", "--entry", "lossy"], "--entry lossy: tiny-llama has no such entry; its entries are "),
     (["torch", "tiny-llama", "--generic", "MaxSeq"], "--generic MaxSeq: expected NAME=VALUE, such as MaxSeq=4096"),
     (["torch", "tiny-llama", "--generic", "MaxSeq=long"],

@@ -70,8 +70,9 @@ def parse(source: str, gathered_size: int, part_size: int) -> Code:
     return Code(lines, launches, reduce_scatters)
 
 
-def generated_code(rank: int, world: int, card, prefetch: int = 1, fake_world: int = WORLD):
-    """Inductor's forward and backward of one sharded step at a fake world of 4 (or of `fake_world`)."""
+def generated_code(rank: int, world: int, card, prefetch: int = 1, fake_world: int = WORLD, mesh: tuple | None = None):
+    """Inductor's forward and backward of one sharded step at a fake world of 4 (or of `fake_world`; or
+    over a fake ("replicate", "shard") mesh of that shape)."""
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -83,7 +84,11 @@ def generated_code(rank: int, world: int, card, prefetch: int = 1, fake_world: i
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
     model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"}, cast_dtype=True,
                       trainable=True, weights="random", compile="inductor", entry="loss_packed")
-    fully_shard(model, prefetch=prefetch)
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, prefetch=prefetch, mesh=mesh)
     tokens = torch.randint(0, BASE["vocab_size"], (1, ROW), dtype=torch.int32)
     positions, segments = torch.arange(ROW, dtype=torch.int32)[None], torch.zeros(1, ROW, dtype=torch.int32)
     _, (forward, backward) = run_and_get_code(
@@ -178,3 +183,24 @@ def test_on_one_rank_a_gather_is_a_cast_made_once(card):
     inputs = set(re.search(r"^\s*(\w+(?:, \w+)*),? = args$", backward, re.MULTILINE).group(1).split(", "))
     assert len(parts) == LAYERS and not parts & inputs
     assert "linnet.all_gather" not in backward and backward.count("torch.ops.linnet.reduce_scatter.default(") == LAYERS + 2
+
+
+def test_with_replicas_each_all_reduce_runs_under_the_layers_below(card):
+    """Hybrid sharding, 2 replicas of 2 shards: a part's average across the replicas is launched where
+    its reduce-scatter is waited for, and waited for only where the backward ends, so each runs under
+    the backward of the layers below it (but the two lowest layers': with prefetch 1 their reduce-scatters
+    are waited for once every layer has its gradient)."""
+    _, backward, gathered_size, part_size, *_ = run(generated_code, 1, card, 1, 4, (2, 2), timeout=600)[0]
+    lines = backward.splitlines()
+    launches = [(n, m.group(1)) for n, line in enumerate(lines)  # inductor reduces in place, into the argument
+                if (m := re.search(r"_c10d_functional\.all_reduce_?\.default\((buf\d+),", line))]
+    code = parse(backward, gathered_size, part_size)
+    # From the top: the head's part, the layers' from the last down; then the looked-up embedding's,
+    # whose rows' gradient is summed and averaged at once where the backward ends.
+    assert len(launches) == LAYERS + 2
+    launches = launches[:LAYERS + 1]
+    waits = [code.wait(buffer) for _, buffer in launches]
+    assert min(waits) > max(line for line, _ in launches)  # every wait after the last launch
+    matmuls = [n for n, line in enumerate(lines) if re.search(r"extern_kernels\.b?mm\(", line)]
+    for line, _ in launches[:-2]:  # layer 1's is launched after layer 0's gradient (its hold is a layer ahead)
+        assert any(line < matmul < min(waits) for matmul in matmuls), "an all-reduce with no compute under it"

@@ -32,8 +32,19 @@ launches its gather as it would a next layer's, kept, and puts it in the
 caller's copy of params for its wait_gather; its reduce-scatter is then waited
 for under the last layer's backward instead of at once.
 
+With replicas (hybrid sharding: each part held by one rank of every
+machine), a part's gradient, reduce-scattered inside the machine, is then
+averaged across the replicas: `hold` launches that all-reduce where it waits
+for the reduce-scatter, and
+
+    parts = across_replicas(parts)
+
+(before the loop, so that its backward comes last) waits for every part's
+all-reduce where the backward ends: each runs under the backward of the
+layers below.
+
 The functions the lines call (hold, launch_gather, wait_gather, launch_of,
-after) are bound by linnet/torch/shard.py."""
+after, across_replicas) are bound by linnet/torch/shard.py."""
 
 from __future__ import annotations
 
@@ -44,16 +55,20 @@ from dataclasses import dataclass
 class Schedule:
     prefetch: int = 1  # layers whose gathers run ahead of the one computing; 0 launches each where it is waited for
     communicates: bool = True  # False on one rank: each gather is the cast of the whole part, where it is used
+    replicas: int = 1  # copies of each part (hybrid sharding: machines), whose gradients are averaged across them
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of layers >= 0, got {self.prefetch!r}")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be a whole number >= 1, got {self.replicas!r}")
 
     def describe(self) -> str:
         """The schedule in the generated module's first line."""
         if not self.communicates:
             return "sharded over one rank: each group's gather is the cast of its part, the whole buffer, to T"
-        return f"sharded: gathers each group where it is first used, layers {self.prefetch} ahead"
+        across = f", each part on {self.replicas} replicas" if self.replicas > 1 else ""
+        return f"sharded: gathers each group where it is first used, layers {self.prefetch} ahead{across}"
 
     def _explained(self) -> list[str]:
         d = self.prefetch
@@ -78,6 +93,15 @@ class Schedule:
         lines = [
             *(f"{indent}# {line}" for line in self._explained()),
             f"{indent}parts = {layers}",
+        ]
+        if self.replicas > 1:
+            lines += [
+                f"{indent}# Across the {self.replicas} replicas: each part's gradient is all-reduced as soon as its",
+                f"{indent}# reduce-scatter is waited for, and waited for where the backward ends.",
+                f"{indent}parts = across_replicas(parts)",
+                *([f"{indent}params[{then[0]!r}] = across_replicas(params[{then[0]!r}])"] if then is not None and d > 0 else []),
+            ]
+        lines += [
             f"{indent}gathers = []",
             f"{indent}for i in range(-{d}, len(parts)):",
             f"{inner}if i + {d} < len(parts):",

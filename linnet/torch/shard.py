@@ -104,7 +104,8 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     of two, named ("replicate", "shard") (init_device_mesh(..., (machines, gpus_per_machine),
     mesh_dim_names=("replicate", "shard"))), the weights are sharded inside each "shard" group and
     each replica holds the same parts: a part's gradient is reduce-scattered inside its shard group,
-    then averaged across the replicas.
+    then averaged across the replicas (compiled: an all-reduce launched where the reduce-scatter is
+    waited for and waited for where the backward ends, under the layers below; eager: at once).
 
     recompute: "gather" keeps each layer's activations and gathers its weights
     again in the backward; "matmuls" keeps only the outputs of its matrix
@@ -138,7 +139,7 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     group, replicate, everyone = _groups(group, mesh)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     replicas, replica = (1, 0) if replicate is None else (dist.get_world_size(replicate), dist.get_rank(replicate))
-    schedule = Schedule(prefetch, communicates=world > 1)
+    schedule = Schedule(prefetch, communicates=world > 1, replicas=replicas)
     _check_device(model, group)
     agree.cpu_group(everyone)  # where the ranks agree on each call's inputs (made here, where every rank is)
     watchdog.watch(everyone, stall_timeout)
@@ -259,6 +260,7 @@ def _bindings(sharding: Sharding) -> dict:
         "after": _after,
         "checkpointed": partial(_checkpointed, sharding.recompute, sharding.world),
         "lookup": partial(_lookup, sharding),
+        "across_replicas": partial(_wait_across_replicas, sharding),
     }
 
 
@@ -317,20 +319,54 @@ class Pending(NamedTuple):
 
 class _Hold(torch.autograd.Function):
     """(x, part), passed through; in the backward, the part's gradient (arriving un-waited from
-    the reduce-scatter that `wait_gathered` launched) is waited for as x's gradient passes."""
+    the reduce-scatter that `wait_gathered` launched) is waited for as x's gradient passes. With
+    replicas, its average across them is launched there too, and handed on un-waited in f32 to
+    `across_replicas`, which waits where the backward ends; in bf16 it is waited for at once (a
+    gradient must reach autograd in its part's dtype, and casting it would read it un-waited)."""
 
     @staticmethod
-    def forward(ctx, x, part):
+    def forward(ctx, x, part, replicate_group_name, replicas, reduce_dtype):
+        ctx.replicate_group_name, ctx.replicas, ctx.reduce_dtype = replicate_group_name, replicas, reduce_dtype
         return x.view_as(x), part.view_as(part)
 
     @staticmethod
     def backward(ctx, x_gradient, part_gradient):
-        return x_gradient, None if part_gradient is None else ops.wait(part_gradient)
+        if part_gradient is None:
+            return x_gradient, None, None, None, None
+        gradient = ops.wait(part_gradient)
+        if ctx.replicas > 1:
+            functional = torch.ops._c10d_functional
+            summed = functional.all_reduce((gradient / ctx.replicas).to(ctx.reduce_dtype), "sum", ctx.replicate_group_name)
+            gradient = summed if ctx.reduce_dtype == gradient.dtype else functional.wait_tensor(summed).to(gradient.dtype)
+        return x_gradient, gradient, None, None, None
+
+
+class _WaitAcrossReplicas(torch.autograd.Function):
+    """A part, passed through; in the backward, its gradient (the un-waited average across replicas
+    that `_Hold` launched, or one already waited for) is waited for."""
+
+    @staticmethod
+    def forward(ctx, part):
+        return part.view_as(part)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return torch.ops._c10d_functional.wait_tensor(gradient)
 
 
 def _hold(sharding: Sharding, x: torch.Tensor, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compiled: the part (averaged across replicas before this wait, which its gradient passes first)."""
-    return _Hold.apply(x, _across_replicas(sharding, part)) if torch.compiler.is_compiling() else (x, part)
+    """Compiled: (x, part) held for the backward (eager code waits where it gathers)."""
+    if not torch.compiler.is_compiling():
+        return x, part
+    return _Hold.apply(x, part, sharding.replicate_group_name, sharding.replicas, sharding.reduce_dtype)
+
+
+def _wait_across_replicas(sharding: Sharding, parts):
+    """Compiled, with replicas: `parts` (a part or a list), each gradient waited for where the backward
+    ends; made before the layer loop, so that autograd reaches these nodes last."""
+    if not torch.compiler.is_compiling() or sharding.replicas == 1:
+        return parts
+    return [_WaitAcrossReplicas.apply(p) for p in parts] if isinstance(parts, list) else _WaitAcrossReplicas.apply(parts)
 
 
 def _launch(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
