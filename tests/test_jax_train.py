@@ -118,12 +118,16 @@ def test_sharded_training_equals_one_device(card, devices, batch):
     assert_same_weights(model.params, expected_params, 1e-5)  # gathered whole when asked
 
 
-def test_weights_read_whole_come_back_whole(card):
+def test_weights_read_whole_stay_parts_after_training(card):
+    """No device holds the whole model after train: weights read whole are split into parts, and
+    left so (evaluate runs over their mesh); model.params gathers them whole only when asked."""
     model = load(card)
     groups = set(model.params)  # read whole
     params, _ = jax_train.train(model, rows(2), optimizer=adamw(), steps=1, mesh=mesh(2), on_step=lambda step: None)
-    assert model.weight_source is None and model.params is params and params.keys() == groups
-    assert params["layers"][0]["q_proj"].shape == (80, 80)
+    assert params is model.weight_source.parts and params.keys() == groups
+    assert all(len(part.sharding.device_set) == 2 for part in jax.tree.leaves(params))
+    assert np.isfinite(jax_train.evaluate(model, rows(2))) and model.weight_source.parts is params  # sharded
+    assert model.params["layers"][0]["q_proj"].shape == (80, 80)
 
 
 def test_remat_recomputes_the_same_step(card):

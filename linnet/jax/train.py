@@ -14,13 +14,14 @@ reported is the token-weighted mean over the whole global batch: each
 device's mean is scaled by its share of the batch's loss weight, so the
 summed gradients are those of the global mean.
 
-`train` takes over the model's weights: while it runs they are the parts.
-Weights that were read whole are whole again when it returns (as
-`model.params`, which it returns too). Weights not read yet (a model fresh
-from `nest.load`) are built straight into their parts, from a checkpoint's
-slices or drawn a group at a time, and stay parts after it (held by
-`model.weight_source` and returned): `model.save_weights` writes them a group
-at a time; `model.params` and `model.loss_packed` gather them whole.
+`train` takes over the model's weights: while it runs they are the parts,
+and they stay parts when it returns (held by `model.weight_source`, and
+returned), so that no device ever holds the whole model: weights read whole
+before are split into parts group by group, and weights not read yet (a model
+fresh from `nest.load`) are built straight into them, from a checkpoint's
+slices or drawn a group at a time. `model.save_weights` writes them a group
+at a time and `evaluate` runs over their mesh; `model.params` and
+`model.loss_packed` gather them whole on the first device, when asked.
 
 `evaluate` runs where the weights are: whole ones on one device; parts over
 their mesh, each device on its own rows as in a step. Weights not read yet are
@@ -66,8 +67,7 @@ def train(
     checkpoint_every: int | None = None,
 ) -> tuple[dict, History]:
     """`steps` optimizer steps, each over mesh.size x Batch rows of `batches`; returns (params, history):
-    params whole if the model's weights were read whole before, else its parts (each group one flat f32
-    array split over the mesh).
+    params the model's parts (each group one flat f32 array split over the mesh), which it keeps.
 
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input.
     checkpoint: a folder to resume from, and to save into every `checkpoint_every` steps (if given) and after
@@ -95,8 +95,7 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
     axis = mesh.axis_names[0]
     batch = model.generics["Batch"]
     rows_a_step = mesh.size * batch
-    stays_parts = model.weight_source is not None  # never read whole, so never made whole here
-    if stays_parts:
+    if model.weight_source is not None:  # not read whole: built into parts
         parts = shard.parts_from_source(model, layouts, mesh)
     else:
         parts = shard.shard_weights(model.checked, model.params, layouts, mesh)
@@ -141,15 +140,12 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             report(record)
             if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
                 checkpointer.save(step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size)
-    finally:  # however the run ends, the model holds its weights as they came: parts, or whole again
-        del opt_state  # first, to make room
-        if stays_parts:
-            model.params = {}  # which clears weight_source: set it after
-            model.weight_source = shard.ShardedWeights(parts, layouts, mesh)
-        else:
-            model.params = shard.unshard_weights(model.checked, parts, layouts)
+    finally:  # however the run ends, the model holds its weights as parts
+        del opt_state
+        model.params = {}  # which clears weight_source: set it after
+        model.weight_source = shard.ShardedWeights(parts, layouts, mesh)
         model.training_mesh = None
-    return (parts if stays_parts else model.params), history
+    return parts, history
 
 
 def evaluate(model: JaxModel, batches: Iterable[Row]) -> float:
