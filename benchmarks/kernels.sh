@@ -6,6 +6,8 @@
 #                                          ceiling with activation checkpointing (also the issue on overlap)
 #   bash benchmarks/kernels.sh once        a layer compiled once (LINNET_COMPILE_LAYERS_ONCE=1) against the
 #                                          unrolled function, caches off: first step and step, 1B world 1, 8B sim 4
+#   bash benchmarks/kernels.sh once-leak   8B sim 4 with a layer compiled once, 4 steps: memory allocated and
+#                                          c10d's un-waited collectives after each, beside the unrolled function
 # Logs under $OUT; each run's RESULT line is printed.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -32,5 +34,11 @@ case "${1:-}" in
       run "linnet-8b-w4-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 \
         python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
     done ;;
-  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once"; exit 2 ;;
+  once-leak)  # a layer compiled once keeps memory each step at 8B sim 4 (NOTES, sixth session): where?
+    for once in 1 0; do
+      run "linnet-8b-w4-once$once-trace" env LINNET_COMPILE_LAYERS_ONCE=$once SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 \
+        python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 4 --memory-trace
+      grep -E "^step|allocated" "$OUT/linnet-8b-w4-once$once-trace.log"
+    done ;;
+  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once|once-leak"; exit 2 ;;
 esac

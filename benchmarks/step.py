@@ -37,6 +37,8 @@ parser.add_argument("--init", help="start from this Hugging Face checkpoint fold
 parser.add_argument("--rows", help="train on this .npz of rows (shared_start.py; rank r takes rows r, r + W, ...) "
                     "instead of random ones")
 parser.add_argument("--held-out", help="report the held-out loss over this .npz of rows before and after training")
+parser.add_argument("--memory-trace", action="store_true", help="after each step, the memory allocated and the "
+                    "collectives c10d still holds un-waited (its work registry): what a step leaves behind")
 parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (torch.profiler): FOLDER/trace.json.gz "
                     "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
 args = parser.parse_args()
@@ -71,6 +73,11 @@ if args.profile:
 def on_step(s):
     if rank == 0:
         print(f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True)
+        if args.memory_trace:
+            from torch._C._distributed_c10d import _get_work_registry_size
+
+            print(f"  allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB, un-waited collectives "
+                  f"{_get_work_registry_size()}", flush=True)
     if profiler is not None:
         profiler.step()
 
