@@ -95,17 +95,15 @@ def locate(repo_or_folder: str | os.PathLike) -> Path:
         return path
     if path.suffix == ".safetensors" and path.is_file():
         return path.parent
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from linnet.cards.huggingface import snapshot
 
-    try:
-        return Path(snapshot_download(str(repo_or_folder), local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
-    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as error:
+    folder = snapshot(str(repo_or_folder))
+    if folder is None:
         raise FileNotFoundError(
             f"no weights for {str(repo_or_folder)!r}: it is neither a folder nor a repo in the local Hugging Face "
-            f"cache ({error.__class__.__name__}). Download it first (`huggingface-cli download {repo_or_folder}`), "
-            f"pass weights=<folder>, or weights='random' for random weights."
-        ) from None
+            f"cache. Download it first (`huggingface-cli download {repo_or_folder}`), pass weights=<folder>, or "
+            f"weights='random' for random weights.")
+    return folder
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
