@@ -30,8 +30,9 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
-def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """fn(rank, world, *args) in `world` processes over Gloo; returns the results in rank order."""
+def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
+    """fn(rank, world, *args) in `world` processes over Gloo (or over NCCL, rank r on GPU r); returns the
+    results in rank order."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=timeout),
@@ -39,7 +40,7 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     processes = [
-        context.Process(target=_worker, args=(fn, rank, world, store.port, timeout, args, results), daemon=True)
+        context.Process(target=_worker, args=(fn, rank, world, store.port, timeout, args, results, backend), daemon=True)
         for rank in range(world)
     ]
     for process in processes:
@@ -77,14 +78,20 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) 
     return [outcomes[rank][1] for rank in range(world)]
 
 
-def _worker(fn, rank, world, port, timeout, args, results) -> None:
+def _worker(fn, rank, world, port, timeout, args, results, backend) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep the traffic on this machine
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import torch
     import torch.distributed as dist
 
     try:
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout))
+        device = None
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+                                device_id=device)
         try:
             results.put((rank, "ok", fn(rank, world, *args)))
         finally:

@@ -1,6 +1,7 @@
 """On a CUDA machine: flex attention over packed rows, and sharded training
-over NCCL at world size 1, against the same computations done plainly.
-Skipped where there is no GPU (CI)."""
+over NCCL at world size 1, and at 2 and 4 ranks where the machine has that
+many GPUs, against the same computations done plainly. Skipped where there is
+no GPU (CI)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,53 @@ def test_causal_attention_runs_cudnns_kernel_and_equals_exact():
     for got, want in zip((out, *grads), (reference, *ref_grads)):
         error = (got.float() - want).abs().max() / want.abs().max()
         assert error < 2e-2, f"relative error {error:.1e}"
+
+
+def several_gpus(world: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < world, reason=f"needs {world} GPUs")
+
+
+def nccl_training(rank: int, world: int, card, compile: str | None, prefetch: int, folder: str | None):
+    """test_fully_shard's sharded training, on GPU `rank` over NCCL; then save_weights into `folder`."""
+    from test_fully_shard import EPS, LR, STEPS, rows as global_rows
+
+    from linnet.torch import fully_shard
+    from linnet.torch.shard import gathered_weights
+    from linnet.train import train
+
+    model = fully_shard(nest.load(card, device="cuda", numerics="exact", generics={"Batch": 1, "MaxSeq": 64, "T": "f32"},
+                                  cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile,
+                                  entry="loss_packed"), prefetch=prefetch)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
+    history = train(model, iter(global_rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
+    weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
+    if folder is not None:
+        model.save_weights(folder)
+    return [s.loss for s in history.steps], weights
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=several_gpus(2)), pytest.param(4, marks=several_gpus(4))])
+@pytest.mark.parametrize("compile, prefetch", [(None, 1), ("inductor", 1), ("inductor", 0)])
+def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path, world, compile, prefetch):
+    """NCCL's collectives (csrc/collectives.cpp's CUDA path, which one GPU never runs: at world 1 this
+    checks the test's own plumbing) train as one CPU process does on the same global batch. f32 throughout, TF32 off (torch's default for matmuls): only
+    the order of the sums differs, so the bounds are test_fully_shard's 1e-5 widened to 1e-4 for the
+    GPU's kernels. The saved weights load in transformers with the logits of the gathered ones."""
+    from distributed import run
+    from test_fully_shard import reference, relative_error
+    from hf_models import BASE, LLAMA3_SCALING, write_card
+
+    card = write_card(tmp_path / "card", {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": True}, LLAMA3_SCALING,
+                      repo="no-weights: random ones are drawn")
+    expected_losses, expected_weights = reference(card, world)
+    results = run(nccl_training, world, card, compile, prefetch, str(tmp_path / "saved"), timeout=900, backend="nccl")
+    for losses, weights in results:
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+        for name, tensor in weights.items():
+            assert relative_error(tensor, expected_weights[name].numpy()) < 1e-4, name
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", torch_dtype=torch.float32)
+    state = loaded.state_dict()
+    for name, tensor in results[0][1].items():
+        torch.testing.assert_close(state[name].to(torch.bfloat16), torch.from_numpy(tensor).to(torch.bfloat16))
