@@ -3,7 +3,7 @@ functions, each taking `(params, *inputs)` and jitted, the weights as a
 pytree (`model.params`), and `model.save_weights(folder)`, which writes a
 Hugging Face checkpoint. linnet/jax/train.py trains it, fully sharded.
 
-A model trained or evaluated before its weights were read whole keeps them
+A model trained (or evaluated before its weights were read whole) keeps them
 as parts over the mesh (`model.weight_source` is a `ShardedWeights`):
 `evaluate` runs over them, `save_weights` writes them a group at a time, and
 `model.params` (and so the entries) gathers them whole, group by group, if
