@@ -36,8 +36,8 @@ def card(tmp_path_factory):
                       LLAMA3_SCALING, repo="no-weights: random ones are drawn")
 
 
-def load(card, batch: int = 1, compile: str | None = None):
-    return nest.load(card, numerics="exact", generics={"Batch": batch, "MaxSeq": ROW, "T": "f32"},
+def load(card, batch: int = 1, compile: str | None = None, device: str = "cpu"):
+    return nest.load(card, numerics="exact", generics={"Batch": batch, "MaxSeq": ROW, "T": "f32"}, device=device,
                      cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
 
 

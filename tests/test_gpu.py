@@ -97,15 +97,13 @@ def several_gpus(world: int):
 
 def nccl_training(rank: int, world: int, card, compile: str | None, prefetch: int, folder: str | None):
     """test_fully_shard's sharded training, on GPU `rank` over NCCL; then save_weights into `folder`."""
-    from test_fully_shard import EPS, LR, STEPS, rows as global_rows
+    from test_fully_shard import EPS, LR, STEPS, load, rows as global_rows
 
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
     from linnet.train import train
 
-    model = fully_shard(nest.load(card, device="cuda", numerics="exact", generics={"Batch": 1, "MaxSeq": 64, "T": "f32"},
-                                  cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile,
-                                  entry="loss_packed"), prefetch=prefetch)
+    model = fully_shard(load(card, compile=compile, device="cuda"), prefetch=prefetch)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     history = train(model, iter(global_rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
     weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
@@ -118,9 +116,10 @@ def nccl_training(rank: int, world: int, card, compile: str | None, prefetch: in
 @pytest.mark.parametrize("compile, prefetch", [(None, 1), ("inductor", 1), ("inductor", 0)])
 def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path, world, compile, prefetch):
     """NCCL's collectives (csrc/collectives.cpp's CUDA path, which one GPU never runs: at world 1 this
-    checks the test's own plumbing) train as one CPU process does on the same global batch. f32 throughout, TF32 off (torch's default for matmuls): only
-    the order of the sums differs, so the bounds are test_fully_shard's 1e-5 widened to 1e-4 for the
-    GPU's kernels. The saved weights load in transformers with the logits of the gathered ones."""
+    checks the test's own plumbing) train as one CPU process does on the same global batch. f32
+    throughout, TF32 off (torch's default for matmuls): only the order of the sums differs, so the
+    bounds are test_fully_shard's 1e-5 widened to 1e-4 for the GPU's kernels. The weights save_weights
+    wrote (bf16) load in transformers as the gathered ones rounded to bf16."""
     from distributed import run
     from test_fully_shard import reference, relative_error
     from hf_models import BASE, LLAMA3_SCALING, write_card

@@ -290,14 +290,18 @@ class _AverageAcrossReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gradient):
-        functional = torch.ops._c10d_functional
-        summed = functional.wait_tensor(functional.all_reduce(gradient.to(ctx.reduce_dtype), "sum", ctx.group_name))
-        return summed.to(gradient.dtype) / ctx.replicas, None, None, None
+        averaged = _launch_average(gradient, ctx.group_name, ctx.replicas, ctx.reduce_dtype)
+        return torch.ops._c10d_functional.wait_tensor(averaged).to(gradient.dtype), None, None, None
+
+
+def _launch_average(gradient: torch.Tensor, group_name: str, replicas: int, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """The average of `gradient` across the replicas, in reduce_dtype, launched and not waited for: each
+    replica's share summed (Gloo has no average)."""
+    return torch.ops._c10d_functional.all_reduce((gradient / replicas).to(reduce_dtype), "sum", group_name)
 
 
 def _across_replicas(sharding: Sharding, part: torch.Tensor) -> torch.Tensor:
-    """`part`, whose gradient is averaged across the replicas (sum then divide: Gloo has no average);
-    `part` itself where there is one replica."""
+    """`part`, whose gradient is averaged across the replicas; `part` itself where there is one replica."""
     if sharding.replicas == 1:
         return part
     return _AverageAcrossReplicas.apply(part, sharding.replicate_group_name, sharding.replicas, sharding.reduce_dtype)
@@ -335,9 +339,9 @@ class _Hold(torch.autograd.Function):
             return x_gradient, None, None, None, None
         gradient = ops.wait(part_gradient)
         if ctx.replicas > 1:
-            functional = torch.ops._c10d_functional
-            summed = functional.all_reduce((gradient / ctx.replicas).to(ctx.reduce_dtype), "sum", ctx.replicate_group_name)
-            gradient = summed if ctx.reduce_dtype == gradient.dtype else functional.wait_tensor(summed).to(gradient.dtype)
+            averaged = _launch_average(gradient, ctx.replicate_group_name, ctx.replicas, ctx.reduce_dtype)
+            same_dtype = ctx.reduce_dtype == gradient.dtype
+            gradient = averaged if same_dtype else torch.ops._c10d_functional.wait_tensor(averaged).to(gradient.dtype)
         return x_gradient, gradient, None, None, None
 
 
