@@ -4,10 +4,9 @@
 #   bash benchmarks/kernels.sh build       the extension alone
 #   bash benchmarks/kernels.sh world1-8b [full matmuls]   8B at world size 1 under those recompute policies, beside the
 #                                          ceiling with activation checkpointing (also the issue on overlap)
-#   bash benchmarks/kernels.sh once        a layer compiled once (LINNET_COMPILE_LAYERS_ONCE=1) against the
-#                                          unrolled function, caches off: first step and step, 1B world 1, 8B sim 4
-#   bash benchmarks/kernels.sh once-leak   8B sim 4 with a layer compiled once, 4 steps: memory allocated and
-#                                          c10d's un-waited collectives after each, beside the unrolled function
+#   bash benchmarks/kernels.sh once [1b 8b 8b-w4]   a layer compiled once (LINNET_COMPILE_LAYERS_ONCE=1) against
+#                                          the unrolled function, caches off: first step, step, peak, and (8B) the
+#                                          memory and un-waited collectives after each step
 # Logs under $OUT; each run's RESULT line is printed.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -27,18 +26,19 @@ case "${1:-}" in
       run "linnet-8b-$recompute" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.1-8b --recompute $recompute --steps 12
     done
     run ceiling-8b-ac python3 benchmarks/peers/plain_ceiling.py --shape 8b --ac --steps 12 ;;
-  once)
+  once)  # then the shapes: 1b (world 1), 8b (world 1), 8b-w4 (a simulated 4 ranks, recompute full: the region
+          # is refused with "gather" over several ranks, linnet/torch/model.py says why); default all three
     export TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
-    for once in 0 1; do
-      run "linnet-1b-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-1b --steps 12
-      run "linnet-8b-w4-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 \
-        python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
+    shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 8b 8b-w4)
+    for shape in "${shapes[@]}"; do
+      for once in 0 1; do
+        case $shape in
+          1b) run "linnet-1b-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-1b --steps 12 ;;
+          8b) run "linnet-8b-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.1-8b --steps 8 --memory-trace ;;
+          8b-w4) run "linnet-8b-w4-full-once$once" env LINNET_COMPILE_LAYERS_ONCE=$once SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 \
+                   python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --recompute full --steps 8 --memory-trace ;;
+        esac
+      done
     done ;;
-  once-leak)  # a layer compiled once keeps memory each step at 8B sim 4 (NOTES, sixth session): where?
-    for once in 1 0; do
-      run "linnet-8b-w4-once$once-trace" env LINNET_COMPILE_LAYERS_ONCE=$once SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 \
-        python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 4 --memory-trace
-      grep -E "^step|allocated" "$OUT/linnet-8b-w4-once$once-trace.log"
-    done ;;
-  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once|once-leak"; exit 2 ;;
+  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]"; exit 2 ;;
 esac

@@ -24,13 +24,28 @@ class TorchModel(LoadedModel):
         if device.type == "cuda" and device.index is None:  # "cuda" means the current device, by its index
             device = torch.device("cuda", torch.cuda.current_device())
         self.trainable, self.compile_mode, self.device = trainable, compile, device
-        # Experimental, until measured on a GPU (benchmarks/NOTES.md): compile a layer's function once
-        # for every layer rather than unroll the layers, for a first step that compiles sooner.
-        self.layer_region = compile == "inductor" and os.environ.get("LINNET_COMPILE_LAYERS_ONCE") == "1"
         self.sharding = None  # set by linnet.torch.fully_shard
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
+
+    @property
+    def layer_region(self) -> bool:
+        """A layer's function compiled once for every layer rather than the layers unrolled, for a first
+        step that compiles sooner: LINNET_COMPILE_LAYERS_ONCE=1 (experimental, off by default until
+        measured at 8B; benchmarks/NOTES.md). Not where the backward gathers a layer's weights again
+        (recompute "gather" or "matmuls" over several ranks): a region keeps every input its backward
+        reads from the forward, so the gathered weights would be kept and the gather launched again in
+        the backward never waited for (a leak of one gathered layer a layer a step)."""
+        if self.compile_mode != "inductor" or os.environ.get("LINNET_COMPILE_LAYERS_ONCE") != "1":
+            return False
+        sharding = self.sharding
+        if sharding is not None and sharding.world * sharding.replicas > 1 and sharding.recompute != "full":
+            raise ValueError(f"LINNET_COMPILE_LAYERS_ONCE=1 with recompute={sharding.recompute!r} over "
+                             f"{sharding.world * sharding.replicas} ranks: a layer compiled once would keep its gathered "
+                             "weights for the backward and leak the gather the backward launches again; use "
+                             "recompute='full', or unset LINNET_COMPILE_LAYERS_ONCE")
+        return True
 
     def _compile(self, function):
         if self.compile_mode == "inductor":
