@@ -124,6 +124,7 @@ def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path,
     from test_fully_shard import reference, relative_error
     from hf_models import BASE, LLAMA3_SCALING, write_card
 
+    (tmp_path / "card").mkdir()
     card = write_card(tmp_path / "card", {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": True}, LLAMA3_SCALING,
                       repo="no-weights: random ones are drawn")
     expected_losses, expected_weights = reference(card, world)

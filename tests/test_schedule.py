@@ -182,7 +182,11 @@ def test_on_one_rank_a_gather_is_a_cast_made_once(card):
     parts = {m.group(1) for m in re.finditer(rf"assert_size_stride\((primals_\d+), \({total}, \), \(1, \)", forward)}
     inputs = set(re.search(r"^\s*(\w+(?:, \w+)*),? = args$", backward, re.MULTILINE).group(1).split(", "))
     assert len(parts) == LAYERS and not parts & inputs
-    assert "linnet.all_gather" not in backward and backward.count("torch.ops.linnet.reduce_scatter.default(") == LAYERS + 2
+    assert "linnet.all_gather" not in backward
+    # On one rank a layer is compiled once (linnet/torch/model.py): its cast of the gradient is written
+    # once, in the subgraph a layer's backward calls; the head's and the embedding's beside it.
+    assert backward.count("torch.ops.linnet.reduce_scatter.default(") == 1 + 2
+    assert len(re.findall(r"= partitioned_bw_subgraph_0_0\(", backward)) == LAYERS
 
 
 def test_with_replicas_each_all_reduce_runs_under_the_layers_below(card):
