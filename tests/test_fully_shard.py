@@ -543,8 +543,10 @@ def test_a_layer_compiled_once_trains_as_single_process(deep_card, world, recomp
 def region_refused(rank: int, world: int, card):
     from linnet.torch import fully_shard
 
+    model = load(card, compile="inductor")
     with pytest.raises(ValueError, match="recompute='gather' over 2 ranks.*leak"):
-        fully_shard(load(card, compile="inductor"), recompute="gather")
+        fully_shard(model, recompute="gather")
+    assert fully_shard(model, recompute="full").layer_region  # the refusal left the model as it was
 
 
 def test_a_layer_compiled_once_is_refused_where_the_backward_gathers_again(deep_card, monkeypatch):

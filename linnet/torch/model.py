@@ -31,25 +31,30 @@ class TorchModel(LoadedModel):
 
     @property
     def layer_region(self) -> bool:
+        """Whether a layer loop's function is compiled once for every layer (`layer_region_over`)."""
+        sharding = self.sharding
+        if sharding is None:
+            return self.layer_region_over(1, "gather")
+        return self.layer_region_over(sharding.world * sharding.replicas, sharding.recompute)
+
+    def layer_region_over(self, ranks: int, recompute: str) -> bool:
         """A layer's function compiled once for every layer rather than the layers unrolled, for a first
-        step that compiles sooner. On by default on one rank (8B: first step 37 s against 77 s, the step
-        the same; benchmarks/NOTES.md); LINNET_COMPILE_LAYERS_ONCE=0 turns it off, =1 on over several
-        ranks with recompute "full" (there 4.5% slower at 8B, so not the default). Refused where the
-        backward gathers a layer's weights again (recompute "gather" or "matmuls" over several ranks):
-        a region keeps every input its backward reads from the forward, so the gathered weights would
-        be kept and the gather the backward launches again never waited for (a leak a layer a step)."""
+        step that compiles sooner, over `ranks` ranks. On by default on one rank (8B: first step 37 s
+        against 77 s, the step the same; benchmarks/NOTES.md); LINNET_COMPILE_LAYERS_ONCE=0 turns it off,
+        =1 on over several ranks with recompute "full" (there 4.5% slower at 8B, so not the default).
+        Refused where the backward gathers a layer's weights again (recompute "gather" or "matmuls" over
+        several ranks): a region keeps every input its backward reads from the forward, so the gathered
+        weights would be kept and the gather the backward launches again never waited for (a leak a
+        layer a step). fully_shard asks before it changes the model."""
         setting = os.environ.get("LINNET_COMPILE_LAYERS_ONCE")
         if self.compile_mode != "inductor" or setting == "0":
             return False
-        sharding = self.sharding
-        one_rank = sharding is None or sharding.world * sharding.replicas == 1
-        if setting != "1" or one_rank:
-            return one_rank
-        if sharding.recompute != "full":
-            raise ValueError(f"LINNET_COMPILE_LAYERS_ONCE=1 with recompute={sharding.recompute!r} over "
-                             f"{sharding.world * sharding.replicas} ranks: a layer compiled once would keep its gathered "
-                             "weights for the backward and leak the gather the backward launches again; use "
-                             "recompute='full', or unset LINNET_COMPILE_LAYERS_ONCE")
+        if setting != "1" or ranks == 1:
+            return ranks == 1
+        if recompute != "full":
+            raise ValueError(f"LINNET_COMPILE_LAYERS_ONCE=1 with recompute={recompute!r} over {ranks} ranks: a layer "
+                             "compiled once would keep its gathered weights for the backward and leak the gather the "
+                             "backward launches again; use recompute='full', or unset LINNET_COMPILE_LAYERS_ONCE")
         return True
 
     def _compile(self, function):

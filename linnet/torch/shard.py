@@ -141,6 +141,7 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     replicas, replica = (1, 0) if replicate is None else (dist.get_world_size(replicate), dist.get_rank(replicate))
     schedule = Schedule(prefetch, communicates=world > 1, replicas=replicas)
     _check_device(model, group)
+    model.layer_region_over(world * replicas, recompute)  # refused (an error) before the model changes
     agree.cpu_group(everyone)  # where the ranks agree on each call's inputs (made here, where every rank is)
     watchdog.watch(everyone, stall_timeout)
     checked = model.checked
