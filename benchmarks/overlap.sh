@@ -6,8 +6,8 @@
 #   bash benchmarks/overlap.sh sim8       the same at 8 ranks
 #   bash benchmarks/overlap.sh world1 [1b 3b]  world size 1: Linnet beside the plain compiled ceiling
 #   bash benchmarks/overlap.sh variants   8B at 4 ranks and 360 GB/s: prefetch 2, and a bf16 reduction
-#   bash benchmarks/overlap.sh hybrid M G 8B on M machines of G GPUs (360 GB/s inside, 45 GB/s between; issue
-#                                          on machines): Linnet and FSDP2, hybrid and flat, and with no time
+#   bash benchmarks/overlap.sh hybrid M G [linnet fsdp2]  8B on M machines of G GPUs (360 GB/s inside, 45 GB/s
+#                                          between; issue on machines): hybrid and flat, and with no time
 # Logs under $OUT; each run's RESULT and SIM lines are printed.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -41,17 +41,20 @@ case "${1:-}" in
   variants)
     sim 4 360 linnet-8b-w4-360-prefetch2 benchmarks/step.py --card llama-3.1-8b --steps 8 --prefetch 2
     sim 4 360 linnet-8b-w4-360-bf16 benchmarks/step.py --card llama-3.1-8b --steps 8 --reduce-dtype bf16 ;;
-  hybrid)  # machines, GPUs a machine
-    machines=$2 gpus=$3 world=$(( $2 * $3 ))
+  hybrid)  # machines, GPUs a machine, then the sides (default both)
+    machines=$2 gpus=$3 world=$(( $2 * $3 )) mesh="$2x$3"
+    sides=("${@:4}"); [ ${#sides[@]} -gt 0 ] || sides=(linnet fsdp2)
     export SIM_MACHINE_SIZE=$gpus SIM_NET_GBPS=45
-    sim "$world" inf "linnet-8b-${machines}x$gpus-inf" benchmarks/step.py --card llama-3.1-8b --steps 8 --mesh "${machines}x$gpus"
-    sim "$world" 360 "linnet-8b-${machines}x$gpus" benchmarks/step.py --card llama-3.1-8b --steps 8 --mesh "${machines}x$gpus"
-    sim "$world" 360 "linnet-8b-flat$world" benchmarks/step.py --card llama-3.1-8b --steps 8
-    sim "$world" inf "fsdp2-8b-${machines}x$gpus-inf" benchmarks/peers/fsdp2_baseline.py --shape 8b --steps 8 --mesh "${machines}x$gpus"
-    sim "$world" 360 "fsdp2-8b-${machines}x$gpus" benchmarks/peers/fsdp2_baseline.py --shape 8b --steps 8 --mesh "${machines}x$gpus"
-    sim "$world" 360 "fsdp2-8b-flat$world" benchmarks/peers/fsdp2_baseline.py --shape 8b --steps 8
-    for side in linnet fsdp2; do
-      echo "$side hybrid exposed: $(python3 benchmarks/sim_world.py --compare "$OUT/$side-8b-${machines}x$gpus.log" "$OUT/$side-8b-${machines}x$gpus-inf.log")"
+    for side in "${sides[@]}"; do
+      case $side in
+        linnet) step=(benchmarks/step.py --card llama-3.1-8b --steps 8) ;;
+        fsdp2) step=(benchmarks/peers/fsdp2_baseline.py --shape 8b --steps 8) ;;
+        *) echo "hybrid: no side $side (linnet, fsdp2)"; exit 2 ;;
+      esac
+      sim "$world" inf "$side-8b-$mesh-inf" "${step[@]}" --mesh "$mesh"
+      sim "$world" 360 "$side-8b-$mesh" "${step[@]}" --mesh "$mesh"
+      sim "$world" 360 "$side-8b-flat$world" "${step[@]}"
+      echo "$side hybrid exposed: $(python3 benchmarks/sim_world.py --compare "$OUT/$side-8b-$mesh.log" "$OUT/$side-8b-$mesh-inf.log")"
     done ;;
   world1)
     shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 3b)
@@ -59,5 +62,5 @@ case "${1:-}" in
       run "linnet-$shape" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --steps 20
       run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 20
     done ;;
-  *) echo "usage: bash benchmarks/overlap.sh build|sim4|sim8|world1|variants|hybrid MACHINES GPUS"; exit 2 ;;
+  *) echo "usage: bash benchmarks/overlap.sh build|sim4|sim8|world1|variants|hybrid MACHINES GPUS [SIDES]"; exit 2 ;;
 esac
