@@ -44,7 +44,8 @@ def load(
     device: where the PyTorch weights live (default "cpu").
     weights: None for the card's own (its repo in the local Hugging Face cache, or random
         for a card that says so), a folder of SafeTensors, or "random".
-    seed: the seed of random weights.
+    seed: the seed of random weights, drawn by the device's generator: the same seed gives the
+        same weights on every GPU and at every world size, but other weights on a CPU.
     """
     card = resolve(card)
     checked = card.checked()

@@ -50,21 +50,22 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
-def reference(card, world: int) -> tuple[list[float], dict]:
-    """Unsharded, one process: each step the whole global batch (world rows) as one batch."""
-    model = load(card, batch=world)
+def reference(card, world: int, device: str = "cpu") -> tuple[list[float], dict]:
+    """Unsharded, one process: each step the whole global batch (world rows) as one batch. The weights
+    come back on the CPU."""
+    model = load(card, batch=world, device=device)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     data = rows(world)
     losses = []
     for step in range(STEPS):
         batch = data[step * world:(step + 1) * world]
-        stack = [torch.from_numpy(np.stack([getattr(r, f) for r in batch])) for f in ("tokens", "targets", "positions", "segments", "weights")]
+        stack = [torch.from_numpy(np.stack([getattr(r, f) for r in batch])).to(device) for f in FIELDS]
         loss = model.loss_packed(*stack)  # the token-weighted mean over the global batch
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, {name: t.detach().clone() for name, t in model.named_weights()}
+    return losses, {name: t.detach().cpu().clone() for name, t in model.named_weights()}
 
 
 def sharded_training(rank: int, world: int, card, compile: str | None, recompute: str, prefetch: int = 1,

@@ -116,7 +116,8 @@ def nccl_training(rank: int, world: int, card, compile: str | None, prefetch: in
 @pytest.mark.parametrize("compile, prefetch", [(None, 1), ("inductor", 1), ("inductor", 0)])
 def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path, world, compile, prefetch):
     """NCCL's collectives (csrc/collectives.cpp's CUDA path, which one GPU never runs: at world 1 this
-    checks the test's own plumbing) train as one CPU process does on the same global batch. f32
+    checks the test's own plumbing) train as one process on GPU 0 does on the same global batch (on
+    the GPU: random weights are drawn by the device's generator, which the CPU's does not match). f32
     throughout, TF32 off (torch's default for matmuls): only the order of the sums differs, so the
     bounds are test_fully_shard's 1e-5 widened to 1e-4 for the GPU's kernels. The weights save_weights
     wrote (bf16) load in transformers as the gathered ones rounded to bf16."""
@@ -127,7 +128,7 @@ def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path,
     (tmp_path / "card").mkdir()
     card = write_card(tmp_path / "card", {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": True}, LLAMA3_SCALING,
                       repo="no-weights: random ones are drawn")
-    expected_losses, expected_weights = reference(card, world)
+    expected_losses, expected_weights = reference(card, world, device="cuda")
     results = run(nccl_training, world, card, compile, prefetch, str(tmp_path / "saved"), timeout=900, backend="nccl")
     for losses, weights in results:
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
