@@ -55,7 +55,9 @@ def test_cli_prints_cards_and_source(capsys):
     source = capsys.readouterr().out
     assert "MaxSeq = 128" in source and "def loss_packed(params, tokens, targets, positions, segments, weights):" in source
     assert main(["jax", "tiny-llama", "--fully-shard"]) == 0
-    assert "gather(params['embedding'], 'Embedding')" in capsys.readouterr().out
+    source = capsys.readouterr().out
+    assert "gather(params['embedding'], 'Embedding')" in source
+    assert "    x = over_layers(one_layer, x, params['layers'])" in source  # a loop, or lax.scan over stacked layers
     # The PyTorch sharded form shows its schedule: launches two layers ahead, waits in the layer.
     assert main(["torch", "llama-3.2-1b", "--fully-shard", "--prefetch", "2", "--entry", "loss_packed"]) == 0
     source = capsys.readouterr().out

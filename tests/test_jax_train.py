@@ -112,10 +112,13 @@ def test_sharded_training_equals_one_device(card, devices, batch):
     model = load(card, batch=batch)
     params, history = jax_train.train(model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(devices),
                                       remat=False, on_step=lambda step: None)
-    # f32 throughout: only the order of the sums differs (per device, then reduce-scattered).
+    # f32 throughout: only the order of the sums differs (per device, then reduce-scattered), and XLA's
+    # fusions of the scanned layers. The gradients of one step agree to 1e-6 (the untied card, one device,
+    # scanned against the reference's loop); AdamW's per-element steps grow that to 2.1e-5 in the
+    # embedding by the fourth step, hence 5e-5 for the weights.
     np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-5)
     assert params is model.weight_source.parts  # drawn straight into parts, and left so
-    assert_same_weights(model.params, expected_params, 1e-5)  # gathered whole when asked
+    assert_same_weights(model.params, expected_params, 5e-5)  # gathered whole when asked
 
 
 def test_weights_read_whole_stay_parts_after_training(card):
@@ -195,6 +198,54 @@ def test_checkpoint_resumes_exactly(card, tmp_path):
     assert resumed.resumed_from == 2 and [s.step for s in resumed.steps] == [3, 4]
     np.testing.assert_array_equal([s.loss for s in resumed.steps], [s.loss for s in straight[1].steps[2:]])
     assert_same_weights(params, straight[0], 1e-7)
+
+
+def test_layers_are_scanned_as_one_stacked_array(card, monkeypatch):
+    """With an elementwise optimizer the step runs the layers by lax.scan over one [Layers, part] array
+    (what over_layers is handed), and learns what the loop of one part a layer learns; the parts come
+    back a flat array a layer. Adafactor (its moments factored per array) keeps the loop."""
+    handed = []
+    over_layers = shard.over_layers
+    monkeypatch.setattr(shard, "over_layers", lambda one_layer, x, layers: handed.append(layers) or over_layers(one_layer, x, layers))
+    batches = rows(STEPS * 2)
+    scanned_model = load(card)
+    scanned = jax_train.train(scanned_model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(2),
+                              on_step=lambda step: None)
+    layers = scanned[0]["layers"]
+    assert [getattr(handed_layers, "shape", None) for handed_layers in handed] == [(2, layers[0].shape[0] // 2)]
+    assert isinstance(layers, list) and all(part.ndim == 1 and len(part.sharding.device_set) == 2 for part in layers)
+    handed.clear()
+    looped_model = load(card)
+    looped = jax_train.train(looped_model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(2), scan_layers=False,
+                             on_step=lambda step: None)
+    assert handed and all(isinstance(layers, list) for layers in handed)
+    np.testing.assert_allclose([s.loss for s in scanned[1].steps], [s.loss for s in looped[1].steps], rtol=1e-5)
+    assert_same_weights(scanned_model.params, looped_model.params, 5e-5)
+
+
+def test_only_optimizers_that_update_each_layer_alike_are_scanned():
+    parts = {"embedding": jnp.zeros(8), "layers": [jnp.zeros(8), jnp.zeros(8), jnp.zeros(8)]}
+    assert jax_train.layers_separable(adamw(), parts)
+    assert jax_train.layers_separable(optax.chain(optax.clip(1.0), optax.sgd(0.1, momentum=0.9)), parts)
+    assert not jax_train.layers_separable(optax.adafactor(1e-2), parts)  # factored moments: rows of the stack
+    assert not jax_train.layers_separable(optax.lamb(1e-2), parts)  # a trust ratio an array
+    assert jax_train.layers_separable(optax.chain(optax.clip_by_global_norm(1.0), adamw()), parts)  # one norm of all
+
+
+def test_a_checkpoint_resumes_in_the_other_layer_form(card, tmp_path):
+    """A checkpoint holds an array a layer whichever form the run held (so those written before the
+    layers were scanned load): saved by a loop, resumed scanned, and the other way, the losses of one run."""
+    batches = rows(STEPS * 2)
+    straight = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(2), scan_layers=False,
+                               on_step=lambda step: None)[1]
+    for first, then in [(False, True), (True, False)]:
+        folder = tmp_path / f"run-{first}"
+        jax_train.train(load(card), batches, optimizer=adamw(), steps=2, mesh=mesh(2), scan_layers=first,
+                        on_step=lambda step: None, checkpoint=folder)
+        resumed = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(2), scan_layers=then,
+                                  on_step=lambda step: None, checkpoint=folder)[1]
+        assert resumed.resumed_from == 2
+        np.testing.assert_allclose([s.loss for s in resumed.steps], [s.loss for s in straight.steps[2:]], rtol=1e-5)
 
 
 def test_checkpoint_resumes_on_another_mesh(card, tmp_path):

@@ -13,7 +13,7 @@ from linnet.cardlang.types import Dim
 
 # Names the emitted modules define or their callers inject, and the suffix of
 # the local that holds a group's weights: a card's own names may not use them.
-RESERVED = frozenset({"params", "gather", "checkpointed", "torch", "F", "math", "jax", "jnp", "np"})
+RESERVED = frozenset({"params", "gather", "checkpointed", "over_layers", "one_layer", "torch", "F", "math", "jax", "jnp", "np"})
 RESERVED_SUFFIX = "_weights"
 
 

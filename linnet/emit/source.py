@@ -7,7 +7,9 @@ stands alone. A model's weights arrive as `params`, one entry per group
 decided here, in one place: unsharded code reads them directly; sharded code
 (`sharded=True`) gathers each group with `gather(...)` where a function first
 uses it, and runs each function that takes a group through `checkpointed(...)`,
-both supplied by the caller. Given a `schedule` (linnet/emit/schedule.py, used
+both supplied by the caller; in JAX a layer loop becomes `x = over_layers(one_layer,
+x, params["layers"])`, which the caller binds to a loop over a list of layers or to
+`lax.scan` over one stacked array. Given a `schedule` (linnet/emit/schedule.py, used
 by linnet.torch.fully_shard), the layer loop launches its gathers ahead and
 each layer waits for its own."""
 
@@ -291,6 +293,13 @@ class _Writer:
                                                       loop_var=statement.target.id, carried=_carried(statement),
                                                       body=body, indent=indent,
                                                       then=then and (then.key, then.name))
+                    continue
+                if self.sharded and self.backend.name == "jax":  # one layer's code, for lax.scan over the layers
+                    carried = _carried(statement)
+                    lines.append(f"{indent}def one_layer({carried}, {statement.target.id}):")
+                    lines += self.block(statement.body, function, inner, set(fetched), indent + "    ")
+                    lines.append(f"{indent}    return {carried}")
+                    lines.append(f"{indent}{carried} = over_layers(one_layer, {carried}, params[{group.key!r}])")
                     continue
                 lines.append(f"{indent}for {statement.target.id} in params[{group.key!r}]:")
                 lines += self.block(statement.body, function, inner, set(fetched), indent + "    ")

@@ -25,6 +25,7 @@ state and are kept as this run set them."""
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 import re
 import types
@@ -43,6 +44,18 @@ NPY_HEADER = 128  # bytes before an .npy file's data
 
 def _named_leaves(prefix: str, tree) -> dict[str, jax.Array]:
     return {prefix + jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _saved_leaves(prefix: str, tree):
+    """(name, array) of each array a checkpoint holds, one at a time. Layers a run stacks as one [Layers,
+    part] array (linnet.jax.train's scan_layers) are saved a layer an array, named as in the list form
+    (`parts['layers'][3]`): a checkpoint is the same whichever form the run held, and resumes in either."""
+    for name, leaf in _named_leaves(prefix, tree).items():
+        if getattr(leaf, "ndim", 0) == 2:
+            for index in range(leaf.shape[0]):
+                yield f"{name}[{index}]", leaf[index]
+        else:
+            yield name, leaf
 
 
 def _is_hyperparameter(name: str) -> bool:
@@ -79,8 +92,8 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
         checkpoint_folder.begin(partial)
         try:
             arrays, files = {}, []
-            leaves = {**_named_leaves("parts", parts), **_named_leaves("optimizer", opt_state)}
-            for index, (name, leaf) in enumerate(leaves.items()):
+            leaves = itertools.chain(_saved_leaves("parts", parts), _saved_leaves("optimizer", opt_state))
+            for index, (name, leaf) in enumerate(leaves):
                 array = np.asarray(jax.device_get(leaf))
                 dtype = str(array.dtype)
                 if array.dtype.kind not in "fiub":  # bf16 and the like: numpy keeps their bits, not their type

@@ -152,13 +152,60 @@ def _cut(flat: np.ndarray, start: int, end: int) -> np.ndarray:
     return flat[start:end]
 
 
+def part_spec(part, axis: str) -> PartitionSpec:
+    """How a part is split: a flat part along its length; layers stacked as [Layers, part] along the second axis."""
+    return PartitionSpec(*[None] * (len(part.shape) - 1), axis)
+
+
 def placements(tree, parts, mesh: Mesh):
     """Where each array of a training state lies: the parts, and any array shaped as a part (an
-    optimizer's moments), split over the mesh's axis; everything else (a step count, an optimizer's
+    optimizer's moments), split as the part is; everything else (a step count, an optimizer's
     factored statistics) on every device."""
-    split, everywhere = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0])), NamedSharding(mesh, PartitionSpec())
+    axis = mesh.axis_names[0]
     part_shapes = {tuple(part.shape) for part in jax.tree.leaves(parts)}
-    return jax.tree.map(lambda leaf: split if tuple(leaf.shape) in part_shapes else everywhere, tree)
+    return jax.tree.map(lambda leaf: NamedSharding(mesh, part_spec(leaf, axis) if tuple(leaf.shape) in part_shapes
+                                                   else PartitionSpec()), tree)
+
+
+def stack_layers(tree, mesh: Mesh):
+    """`tree` (parts, or an optimizer state shaped as them) with each list of layer parts made one
+    [Layers, part] array split along its second axis, built a layer at a time: each layer's array is
+    freed as it is copied in, so a device never holds the layers twice."""
+    def stack(layers: list):
+        placement = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names[0]))
+        stacked = jax.jit(partial(jnp.zeros, (len(layers), *layers[0].shape), layers[0].dtype), out_shardings=placement)()
+        for index in range(len(layers)):
+            stacked = _set_row(stacked, layers[index], index)
+            layers[index].delete()
+        return stacked
+
+    return jax.tree.map(lambda node: stack(node) if _is_layer_list(node) else node, tree, is_leaf=_is_layer_list)
+
+
+def unstack_layers(tree) -> dict:
+    """The inverse of stack_layers: each [Layers, part] array as a list of flat parts (freed once cut)."""
+    def unstack(stacked):
+        sharding = stacked.sharding
+        row = jax.jit(_row, out_shardings=NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:])))
+        layers = [row(stacked, index) for index in range(stacked.shape[0])]
+        stacked.delete()
+        return layers
+
+    return jax.tree.map(lambda leaf: unstack(leaf) if getattr(leaf, "ndim", 0) == 2 else leaf, tree)
+
+
+def _row(stacked: jax.Array, index) -> jax.Array:
+    return stacked[index]
+
+
+def _is_layer_list(node) -> bool:
+    return isinstance(node, list) and bool(node) and all(isinstance(leaf, jax.Array) and leaf.ndim == 1
+                                                         and leaf.shape == node[0].shape for leaf in node)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _set_row(stacked: jax.Array, row: jax.Array, index) -> jax.Array:
+    return stacked.at[index].set(row)
 
 
 def unshard_weights(checked: Checked, parts: dict, layouts: dict[str, GroupLayout]) -> dict:
@@ -205,6 +252,17 @@ all_gather_cast.defvjp(_all_gather_cast_forward, _all_gather_cast_backward)
 def gather(layouts: dict[str, GroupLayout], axis: str, dtype, part: jax.Array, group: str) -> dict[str, jax.Array]:
     """One group's weights, gathered from every device, in the compute dtype."""
     return views(all_gather_cast(part, axis, dtype), layouts[group])
+
+
+def over_layers(one_layer, x, layers):
+    """x through every layer: a loop over a list of parts, or `lax.scan` over them stacked as one
+    [Layers, part] array (one layer traced and compiled once; XLA may pipeline a layer's gather and
+    reduce-scatter under its neighbour's compute)."""
+    if isinstance(layers, (list, tuple)):
+        for w in layers:
+            x = one_layer(x, w)
+        return x
+    return jax.lax.scan(lambda x, w: (one_layer(x, w), None), x, layers)[0]
 
 
 def checkpointed(remat: bool, function, *args):

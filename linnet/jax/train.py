@@ -9,7 +9,10 @@ device on its own packed rows, every weight fully sharded.
 A step is one jitted function: `shard_map` runs the card's sharded
 `loss_packed` on each device's rows (linnet/jax/shard.py gathers each layer's
 weights where it runs and reduce-scatters its gradient into the f32 part),
-then the optimizer updates the parts where they lie. The loss optimised and
+then the optimizer updates the parts where they lie. While the run lasts the
+layers' parts (and their optimizer state) are one [Layers, part] array, which
+the step runs through `lax.scan` (`over_layers` in the printed source): one
+layer compiled once, its gathers free to be pipelined (`scan_layers`). The loss optimised and
 reported is the token-weighted mean over the whole global batch: each
 device's mean is scaled by its share of the batch's loss weight, so the
 summed gradients are those of the global mean.
@@ -31,6 +34,7 @@ again."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -62,6 +66,7 @@ def train(
     steps: int,
     mesh: Mesh,
     remat: bool = True,
+    scan_layers: bool = True,
     on_step: Callable[[Step], None] | None = None,
     checkpoint: str | None = None,
     checkpoint_every: int | None = None,
@@ -70,6 +75,11 @@ def train(
     params the model's parts (each group one flat f32 array split over the mesh), which it keeps.
 
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input.
+    scan_layers: while training, hold the layers' parts (and their optimizer state) as one [Layers, part]
+        array and run them with `lax.scan`: one layer compiled once, and XLA free to pipeline a layer's
+        gather and reduce-scatter under its neighbour's compute. Kept to optimizers whose update of the
+        stacked layers equals their update of each (checked on a small tree first: Adafactor's factored
+        moments and LAMB's trust ratio are per array, so those run the layers as a loop, as does False).
     checkpoint: a folder to resume from, and to save into every `checkpoint_every` steps (if given) and after
         the last. The run holds it until it returns (another run pointed at it stops at once, naming this one),
         and checks before its first step that it can write a checkpoint there."""
@@ -82,16 +92,16 @@ def train(
         description=resume_check.model_description(model.checked), steps=steps,
         row_length=model.generics["MaxSeq"], optimizer_settings=optimizer_settings(optimizer), devices=mesh.size)
     try:
-        return _train(model, batches, optimizer, steps, mesh, remat, on_step, checkpointer, checkpoint_every,
-                      layouts)
+        return _train(model, batches, optimizer, steps, mesh, remat, scan_layers, on_step, checkpointer,
+                      checkpoint_every, layouts)
     finally:
         if checkpointer is not None:
             checkpointer.close()
 
 
 def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTransformation, steps: int,
-           mesh: Mesh, remat: bool, on_step: Callable[[Step], None] | None, checkpointer: JaxCheckpointer | None,
-           checkpoint_every: int | None, layouts) -> tuple[dict, History]:
+           mesh: Mesh, remat: bool, scan_layers: bool, on_step: Callable[[Step], None] | None,
+           checkpointer: JaxCheckpointer | None, checkpoint_every: int | None, layouts) -> tuple[dict, History]:
     axis = mesh.axis_names[0]
     batch = model.generics["Batch"]
     rows_a_step = mesh.size * batch
@@ -116,7 +126,9 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
                 rows_consumed = checkpointer.manifest["rows_consumed"]
                 rows = itertools.islice(rows, rows_consumed, None)
             checkpointer.check_room(parts, opt_state)
-        step_function = _step_function(model, layouts, mesh, optimizer, remat,
+        if scan_layers and layers_separable(optimizer, parts):  # after resuming: checkpoints hold a part a layer
+            parts, opt_state = shard.stack_layers(parts, mesh), shard.stack_layers(opt_state, mesh)
+        step_function = _step_function(model, layouts, mesh, optimizer, remat, parts,
                                        shard.placements((parts, opt_state), parts, mesh))
         placement = NamedSharding(mesh, PartitionSpec(axis))
         report = on_step or Progress(steps, 0)
@@ -140,8 +152,9 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             report(record)
             if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
                 checkpointer.save(step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size)
-    finally:  # however the run ends, the model holds its weights as parts
-        del opt_state
+    finally:  # however the run ends, the model holds its weights as parts, a flat one a layer
+        del opt_state  # first: the layers are briefly held twice while they are cut apart
+        parts = shard.unstack_layers(parts)
         model.params = {}  # which clears weight_source: set it after
         model.weight_source = shard.ShardedWeights(parts, layouts, mesh)
         model.training_mesh = None
@@ -237,7 +250,8 @@ def _check_positions(row: Row, positions: int) -> None:
 def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool):
     """The card's `loss_packed` in its sharded form, run inside shard_map over `axis`: (parts, *inputs) -> loss."""
     dtype = JAX_DTYPES[model.generics[model.checked.program.compute_dtype]]
-    namespace = {"gather": partial(shard.gather, layouts, axis, dtype), "checkpointed": partial(shard.checkpointed, remat)}
+    namespace = {"gather": partial(shard.gather, layouts, axis, dtype), "checkpointed": partial(shard.checkpointed, remat),
+                 "over_layers": shard.over_layers}
     return model.execute(model.emit(sharded=True), namespace)["loss_packed"]
 
 
@@ -256,8 +270,9 @@ def _evaluate_function(model: JaxModel, layouts, mesh: Mesh):
     return jax.jit(jax.shard_map(device_loss, mesh=mesh, in_specs=(split,) * 6, out_specs=split))
 
 
-def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, state_placements):
+def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, parts, state_placements):
     axis = mesh.axis_names[0]
+    part_specs = jax.tree.map(lambda part: shard.part_spec(part, axis), parts)
     loss_packed = _sharded_loss_packed(model, layouts, axis, remat)
 
     def device_step(parts, tokens, targets, positions, segments, weights):
@@ -271,7 +286,8 @@ def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool,
         return jax.lax.psum(loss, axis), gradients
 
     split = PartitionSpec(axis)
-    sharded_step = jax.shard_map(device_step, mesh=mesh, in_specs=(split,) * 6, out_specs=(PartitionSpec(), split))
+    sharded_step = jax.shard_map(device_step, mesh=mesh, in_specs=(part_specs, *(split,) * 5),
+                                 out_specs=(PartitionSpec(), part_specs))
 
     def step(parts, opt_state, *inputs):
         loss, gradients = sharded_step(parts, *inputs)
@@ -279,7 +295,65 @@ def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool,
         return optax.apply_updates(parts, updates), opt_state, loss
 
     # The outputs are placed as the inputs were, so that the next step neither moves them nor recompiles.
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_placements, NamedSharding(mesh, PartitionSpec())))
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_placements, NamedSharding(mesh, PartitionSpec())),
+                   compiler_options=xla_options(mesh.devices.flat[0].platform))
+
+
+# What a scanned step asks of XLA on GPUs: the latency-hiding scheduler, and the collective pipeliner, which
+# moves the next iteration's all-gather (and the previous one's reduce-scatter) of a `lax.scan` under this
+# iteration's compute; double buffering unrolls the loop by two so that the moved collectives have their
+# own buffers. No combine thresholds: a layer's weights are already one flat buffer, one collective.
+GPU_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+}
+
+
+@functools.cache
+def xla_options(platform: str) -> dict:
+    """GPU_OPTIONS on a GPU, less those the installed jaxlib does not know (a flag renamed or retired is
+    left out, not an error); none elsewhere."""
+    if platform != "gpu" and platform != "cuda":
+        return {}
+    known = {}
+    for name, value in GPU_OPTIONS.items():
+        try:
+            jax.jit(lambda x: x, compiler_options={name: value}).lower(np.zeros(1, np.float32)).compile()
+            known[name] = value
+        except Exception:  # noqa: BLE001  (jaxlib says "No such compile option" as a runtime error)
+            continue
+    return known
+
+
+def layers_separable(optimizer: optax.GradientTransformation, parts: dict) -> bool:
+    """Whether `optimizer` updates the layers stacked as [Layers, part] as it updates each on its own:
+    two steps on a small tree shaped as `parts` (each array 8 values, every layer different), in both
+    forms. An optimizer whose state or masks follow the tree of one array a layer fails here, and so
+    runs the layers as a loop."""
+    rng = np.random.default_rng(0)
+    small = jax.tree.map(lambda _: rng.standard_normal(8).astype(np.float32), parts)
+    gradients = [jax.tree.map(lambda _: rng.standard_normal(8).astype(np.float32), parts) for _ in range(2)]
+
+    def two_steps(params, grads):
+        state = optimizer.init(params)
+        for gradient in grads:
+            updates, state = optimizer.update(gradient, state, params)
+            params = optax.apply_updates(params, updates)
+        return params
+
+    def stacked(tree):
+        return jax.tree.map(lambda node: np.stack(node) if isinstance(node, list) else node, tree,
+                            is_leaf=lambda node: isinstance(node, list))
+
+    try:
+        with jax.default_device(jax.devices("cpu")[0]):
+            each = stacked(two_steps(small, gradients))
+            together = two_steps(stacked(small), [stacked(g) for g in gradients])
+        return jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, rtol=1e-6, atol=1e-7)), each, together))
+    except Exception:  # noqa: BLE001  (a structure the optimizer cannot take stacked: run a loop)
+        return False
 
 
 def _learning_rate(opt_state) -> float:
