@@ -121,6 +121,21 @@ def test_sharded_training_equals_one_device(card, devices, batch):
     assert_same_weights(model.params, expected_params, 5e-5)  # gathered whole when asked
 
 
+@pytest.mark.parametrize("shape", [(2, 2), (4, 1)])
+def test_a_replicated_mesh_trains_as_one_device(card, shape):
+    """A ("replicate", "shard") mesh (a machine a replica, across machines): each replica holds every part,
+    split over its own devices, and the gradients are summed across replicas."""
+    batches = rows(STEPS * 4)
+    expected_params, expected_losses = reference(card, batches, 4)
+    model = load(card)
+    two_axes = Mesh(np.array(jax.devices()[:4]).reshape(shape), ("replicate", "shard"))
+    params, history = jax_train.train(model, batches, optimizer=adamw(), steps=STEPS, mesh=two_axes,
+                                      on_step=lambda step: None)
+    np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-5)
+    assert all(part.sharding.spec == jax.sharding.PartitionSpec("shard") for part in jax.tree.leaves(params))
+    assert_same_weights(model.params, expected_params, 5e-5)
+
+
 def test_weights_read_whole_stay_parts_after_training(card):
     """No device holds the whole model after train: weights read whole are split into parts, and
     left so (evaluate runs over their mesh); model.params gathers them whole only when asked."""
@@ -331,7 +346,7 @@ def test_trained_weights_load_in_transformers(card, tmp_path):
 def test_errors_name_the_problem(card, tmp_path):
     batches = rows(4)
     two_axes = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
-    with pytest.raises(ValueError, match="one data-parallel axis"):
+    with pytest.raises(ValueError, match=r"of two named \('replicate', 'shard'\) .* got axes \('data', 'model'\)"):
         jax_train.train(load(card), batches, optimizer=adamw(), steps=1, mesh=two_axes)
     uncast = nest.load(card, backend="jax_source", entry="loss_packed", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
                        weights="random")

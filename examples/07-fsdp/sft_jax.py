@@ -10,18 +10,27 @@ four host devices as the mesh:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/07-fsdp/sft_jax.py \\
         --card tiny-llama --data examples/07-fsdp/data/tasks.jsonl --tokens 512 --steps 40 --lr 3e-3
+
+On several machines, one process a machine, each started with the first machine's address and its own
+number (linnet/jax/hosts.py); each machine holds a copy of the parts, split over its own GPUs, and the
+gradients are summed across machines:
+
+    JAX_COORDINATOR_ADDRESS=HOST:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python examples/07-fsdp/sft_jax.py   # on HOST
+    JAX_COORDINATOR_ADDRESS=HOST:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 python examples/07-fsdp/sft_jax.py   # the other
+
+--checkpoint and --out then name a folder every machine sees (a shared file system): the first machine
+writes, and every machine resumes from it.
 """
 
 import argparse
 
 import jax
-import numpy as np
 import optax
-from jax.sharding import Mesh
 
 from linnet import nest, userdata
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error
-from linnet.jax.train import evaluate, train
+from linnet.jax import hosts
+from linnet.jax.train import default_mesh, evaluate, own_rows, train
 from linnet.packing import Example, pack
 
 # A mistake in the options, the card or the data ends the run before it trains: one line, and exit
@@ -62,10 +71,12 @@ def example(row: dict) -> Example:
     return Example.prompted(prompt, answer[: 2048 - len(prompt)])
 
 
-mesh = Mesh(np.array(jax.devices()), ("data",))
+hosts.join()  # when started as one of several processes (machines): before any device is used
+mesh = default_mesh()  # every device; over several machines, a copy of the parts a machine
 training_rows, held_out_rows = userdata.split_held_out(userdata.alpaca_rows(args.data), args.held_out, args.data)
-# One packed row a device a step.
+# One packed row a device a step; each machine feeds its own devices.
 batches = userdata.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, mesh.size, "devices")
+batches = own_rows(batches, mesh, batch=1)
 held_out = list(pack(map(example, held_out_rows), TOKENS))
 
 # The card's `loss_packed` entry as generated `jax.numpy`, f32 master weights
@@ -82,6 +93,8 @@ schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, 
 
 
 def report(step):
+    if jax.process_index() != 0:  # one machine reports the run (the loss is the whole step's)
+        return
     print(f"step {step.step}: loss {step.loss:.3f}, {step.seconds:.2f} s", flush=True)
 
 
@@ -99,11 +112,12 @@ params, history = train(
 )
 after = evaluate(model, held_out)
 step = history.median_seconds()
-peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()) / 2**30
+peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()) / 2**30
 gpus = jax.devices()[0].platform == "gpu"
 memory = f"peak {peak:.1f} GiB a GPU" if gpus else "on the CPU"
 speed = "no steps left to run" if step is None else (
     f"{step:.2f} s a step ({mesh.size * TOKENS / step:.0f} positions/s on {mesh.size} {'GPUs' if gpus else 'devices'})")
-print(f"{speed}, {memory}, held-out loss {before:.3f} to {after:.3f}")
+if jax.process_index() == 0:
+    print(f"{speed}, {memory}, held-out loss {before:.3f} to {after:.3f}")
 if args.out is not None:
     model.save_weights(args.out)

@@ -2,7 +2,8 @@
 PyTorch ones: linnet/checkpoint_folder.py writes the folder aside and makes it
 visible with its manifest, last.
 
-One process drives every device. A checkpoint holds one `.npy` file an
+One process drives every device (or one a machine, each holding a copy of
+every part: the first writes, every one resumes). A checkpoint holds one `.npy` file an
 array: each part and each optimizer-state array, gathered to the host one at
 a time (so the host never holds more than the largest), listed in the
 manifest under its path in its pytree (`parts['layers'][3]`,
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet import checkpoint_folder, folder_lock, resume_check
+from linnet.jax.shard import to_host
 from linnet.storage import storage_errors
 
 FRAMEWORK = "jax"
@@ -73,20 +75,26 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
 
     def __init__(self, folder, card_name: str, extents: dict[str, int], rows_a_step: int, keep: int = 2, *,
                  description: dict | None = None, steps: int | None = None, row_length: int | None = None,
-                 optimizer_settings: dict | None = None, devices: int | None = None):
+                 optimizer_settings: dict | None = None, devices: int | None = None, writer: bool = True):
         self.folder, self.card_name, self.extents, self.keep = Path(folder), card_name, extents, keep
         self.rows_a_step, self.description, self.steps, self.row_length = rows_a_step, description, steps, row_length
         self.optimizer_settings, self.devices = optimizer_settings, devices
         self.hyperparameters: dict[str, float] | None = None  # this run's injected ones, before a resume
         self.manifest: dict | None = None
         self.known: dict[str, str | None] = {}  # what was found of the folder's checkpoints
-        self.lock = folder_lock.take(self.folder)
+        self.writer = writer  # False: a process that resumes from the folder but leaves it to the first to write
+        self.lock = folder_lock.take(self.folder) if writer else None
 
     def check_room(self, parts, opt_state) -> None:
         """Before the first step: fails now, not at the first save, if the disk cannot hold a checkpoint."""
-        checkpoint_folder.check_room(self.folder, _bytes_needed(parts, opt_state), self.known)
+        if self.writer:
+            checkpoint_folder.check_room(self.folder, _bytes_needed(parts, opt_state), self.known)
 
-    def save(self, step: int, parts, opt_state, *, rows_consumed: int, devices: int) -> Path:
+    def save(self, step: int, parts, opt_state, *, rows_consumed: int, devices: int) -> Path | None:
+        """Writes a checkpoint (the writer; None elsewhere), each array fetched from this process's devices,
+        which hold every part whole (linnet.jax.train keeps a replica inside a process)."""
+        if not self.writer:
+            return None
         partial = checkpoint_folder.partial_path(self.folder, step)
         checkpoint_folder.make_room(self.folder, _bytes_needed(parts, opt_state), self.known)
         checkpoint_folder.begin(partial)
@@ -94,7 +102,7 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
             arrays, files = {}, []
             leaves = itertools.chain(_saved_leaves("parts", parts), _saved_leaves("optimizer", opt_state))
             for index, (name, leaf) in enumerate(leaves):
-                array = np.asarray(jax.device_get(leaf))
+                array = to_host(leaf)
                 dtype = str(array.dtype)
                 if array.dtype.kind not in "fiub":  # bf16 and the like: numpy keeps their bits, not their type
                     array = array.view(f"u{array.dtype.itemsize}")
@@ -191,7 +199,8 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
             if array is None:  # this run's setting, kept
                 leaves.append(fresh)
                 continue
-            leaves.append(jax.device_put(array(), fresh.sharding))
+            host = array()
+            leaves.append(jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: host[index]))
             fresh.delete()  # the fresh state goes as the saved one arrives: never two copies on a device
         return jax.tree_util.tree_unflatten(structure, leaves)
 

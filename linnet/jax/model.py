@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet.emit.jax_backend import JAX
-from linnet.jax.shard import ShardedWeights, part_at, unshard_weights
+from linnet.jax.shard import ShardedWeights, part_at, to_host, unshard_weights
 from linnet.model import LoadedModel
 from linnet.weights import group_specs
 
@@ -102,6 +102,8 @@ class JaxModel(LoadedModel):
         torch_dtype = TORCH_DTYPES[names[jnp.dtype(dtype)]]
         shapes = {spec.checkpoint_name: spec.shape for spec in self.specs()}
         tensors = ((name, torch.from_numpy(weight)) for name, weight in self._host_weights())  # converted as written
+        if jax.process_index() != 0:  # every process holds them all (linnet.jax.train): the first writes
+            return Path(path)
         return write_hf_checkpoint(self.card, shapes, tensors, Path(path), torch_dtype, max_shard_size=max_shard_size)
 
     def _host_weights(self):
@@ -112,7 +114,7 @@ class JaxModel(LoadedModel):
                 yield name, np.array(weight, np.float32)
             return
         for decl, index, specs in group_specs(self.checked, self.specs()):
-            flat = np.array(part_at(source.parts, decl.key, index))
+            flat = to_host(part_at(source.parts, decl.key, index))
             for spec, offset in zip(specs, source.layouts[decl.name].offsets):
                 yield spec.checkpoint_name, flat[offset:offset + prod(spec.shape)].reshape(spec.shape)
 

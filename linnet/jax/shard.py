@@ -50,6 +50,17 @@ class GroupLayout:
         return self.total // devices
 
 
+def shard_axis(mesh: Mesh) -> str:
+    """The axis the parts are split over: a 1-D mesh's one, or "shard" of a ("replicate", "shard") mesh,
+    whose replicas each hold every part (a machine each, across machines)."""
+    return mesh.axis_names[-1]
+
+
+def shards(mesh: Mesh) -> int:
+    """How many parts each group is split into."""
+    return mesh.shape[shard_axis(mesh)]
+
+
 def group_layouts(checked: Checked, devices: int) -> dict[str, GroupLayout]:
     """The flat layout of every group of the card, for `devices` parts each."""
     layouts = {}
@@ -84,7 +95,7 @@ def views(flat: jax.Array, layout: GroupLayout) -> dict[str, jax.Array]:
 def shard_weights(checked: Checked, params: dict, layouts: dict[str, GroupLayout], mesh: Mesh) -> dict:
     """The model's weights as parts split over the mesh, group by group; `params` is emptied as it goes,
     so the model is not held twice."""
-    placement = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    placement = NamedSharding(mesh, PartitionSpec(shard_axis(mesh)))
     parts = {}
     for decl in checked.program.groups.values():
         layout = layouts[decl.name]
@@ -118,7 +129,7 @@ def parts_from_source(model, layouts: dict[str, GroupLayout], mesh: Mesh) -> dic
     source = model.weight_source
     if isinstance(source, ShardedWeights) and source.mesh == mesh:
         return source.parts
-    placement = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    placement = NamedSharding(mesh, PartitionSpec(shard_axis(mesh)))
     reader = SliceReader(source.files) if isinstance(source, CheckpointWeights) else None
     draw = model.host_drawer(source.seed) if isinstance(source, RandomWeights) else None
     parts: dict = {}
@@ -161,7 +172,7 @@ def placements(tree, parts, mesh: Mesh):
     """Where each array of a training state lies: the parts, and any array shaped as a part (an
     optimizer's moments), split as the part is; everything else (a step count, an optimizer's
     factored statistics) on every device."""
-    axis = mesh.axis_names[0]
+    axis = shard_axis(mesh)
     part_shapes = {tuple(part.shape) for part in jax.tree.leaves(parts)}
     return jax.tree.map(lambda leaf: NamedSharding(mesh, part_spec(leaf, axis) if tuple(leaf.shape) in part_shapes
                                                    else PartitionSpec()), tree)
@@ -172,7 +183,7 @@ def stack_layers(tree, mesh: Mesh):
     [Layers, part] array split along its second axis, built a layer at a time: each layer's array is
     freed as it is copied in, so a device never holds the layers twice."""
     def stack(layers: list):
-        placement = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names[0]))
+        placement = NamedSharding(mesh, PartitionSpec(None, shard_axis(mesh)))
         stacked = jax.jit(partial(jnp.zeros, (len(layers), *layers[0].shape), layers[0].dtype), out_shardings=placement)()
         for index in range(len(layers)):
             stacked = _set_row(stacked, layers[index], index)
@@ -208,13 +219,29 @@ def _set_row(stacked: jax.Array, row: jax.Array, index) -> jax.Array:
     return stacked.at[index].set(row)
 
 
+def to_host(array: jax.Array) -> np.ndarray:
+    """A whole array on the host from this process's own devices, with no collective: every array a
+    process trains holds whole on its devices (train keeps each replica inside one process)."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    host = np.empty(array.shape, array.dtype)
+    covered = np.zeros(array.shape[:1] if array.ndim else (), bool)
+    for piece in array.addressable_shards:
+        host[piece.index] = np.asarray(piece.data)
+        covered[piece.index[:1]] = True
+    if not covered.all():
+        raise ValueError(f"an array of shape {array.shape} is split over several processes; linnet.jax keeps every "
+                         f"part in each process (a ('replicate', 'shard') mesh, a replica a process)")
+    return host
+
+
 def unshard_weights(checked: Checked, parts: dict, layouts: dict[str, GroupLayout]) -> dict:
     """The full weights, in the card's layout (params["layers"][i]["q_proj"]), on the first device;
     `parts` is emptied as it goes, so the model is not held twice."""
     device = jax.devices()[0]
 
     def full(part, layout):
-        weights = views(jax.device_put(part, device), layout)
+        weights = views(jax.device_put(part if part.is_fully_addressable else to_host(part), device), layout)
         part.delete()
         return weights
 

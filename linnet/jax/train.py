@@ -1,5 +1,7 @@
-"""The JAX training loop: one process over every device of a mesh, each
-device on its own packed rows, every weight fully sharded.
+"""The JAX training loop: one process over every device of a mesh (or one
+process a machine, linnet/jax/hosts.py, over a ("replicate", "shard") mesh
+of every machine's devices: `default_mesh`), each device on its own packed
+rows, every weight fully sharded (inside each replica).
 
     model = nest.load("llama-3.1-8b-instruct", backend="jax_source", entry="loss_packed", numerics="fast",
                       generics={"Batch": 1, "MaxSeq": 4096, "T": "bf16"}, cast_dtype=True)
@@ -53,7 +55,7 @@ from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
 from linnet.jax.model import JAX_DTYPES, JaxModel
 from linnet.packing import Row
 
-__all__ = ["evaluate", "train"]
+__all__ = ["default_mesh", "evaluate", "own_rows", "train"]
 
 _FIELDS = ("tokens", "targets", "positions", "segments", "weights")
 
@@ -85,12 +87,13 @@ def train(
         and checks before its first step that it can write a checkpoint there."""
     _check(model, mesh)
     rows_a_step = mesh.size * model.generics["Batch"]
-    layouts = shard.group_layouts(model.checked, mesh.size)
+    layouts = shard.group_layouts(model.checked, shard.shards(mesh))
     # The folder is checked and held before the weights are built: a run that cannot save fails at once.
     checkpointer = None if checkpoint is None else JaxCheckpointer(
         checkpoint, model.card.name, {g: l.extent for g, l in layouts.items()}, rows_a_step,
         description=resume_check.model_description(model.checked), steps=steps,
-        row_length=model.generics["MaxSeq"], optimizer_settings=optimizer_settings(optimizer), devices=mesh.size)
+        row_length=model.generics["MaxSeq"], optimizer_settings=optimizer_settings(optimizer), devices=mesh.size,
+        writer=jax.process_index() == 0)
     try:
         return _train(model, batches, optimizer, steps, mesh, remat, scan_layers, on_step, checkpointer,
                       checkpoint_every, layouts)
@@ -102,9 +105,9 @@ def train(
 def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTransformation, steps: int,
            mesh: Mesh, remat: bool, scan_layers: bool, on_step: Callable[[Step], None] | None,
            checkpointer: JaxCheckpointer | None, checkpoint_every: int | None, layouts) -> tuple[dict, History]:
-    axis = mesh.axis_names[0]
     batch = model.generics["Batch"]
     rows_a_step = mesh.size * batch
+    own_rows = _own_devices(mesh) * batch  # what this process's batches give a step
     if model.weight_source is not None:  # not read whole: built into parts
         parts = shard.parts_from_source(model, layouts, mesh)
     else:
@@ -130,23 +133,23 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             parts, opt_state = shard.stack_layers(parts, mesh), shard.stack_layers(opt_state, mesh)
         step_function = _step_function(model, layouts, mesh, optimizer, remat, parts,
                                        shard.placements((parts, opt_state), parts, mesh))
-        placement = NamedSharding(mesh, PartitionSpec(axis))
+        placement = NamedSharding(mesh, _rows_spec(mesh))
         report = on_step or Progress(steps, 0)
         for step in range(history.resumed_from + 1, steps + 1):
-            chunk = list(itertools.islice(rows, rows_a_step))
-            if len(chunk) < rows_a_step:
-                raise ValueError(f"the batches ran out at step {step} of {steps}: each step takes {rows_a_step} rows "
-                                 f"({mesh.size} devices x Batch {batch})")
+            chunk = list(itertools.islice(rows, own_rows))
+            if len(chunk) < own_rows:
+                raise ValueError(f"the batches ran out at step {step} of {steps}: each step takes {own_rows} rows "
+                                 f"({own_rows // batch} devices x Batch {batch}{_of_all(mesh)})")
             for index, row in enumerate(chunk):
                 row.check_ids(model.checked.dims["Vocab"], f"step {step}, row {index}")
-            inputs = [jax.device_put(array, placement) for array in _stack(chunk, model.generics["MaxSeq"])]
+            inputs = [jax.make_array_from_process_local_data(placement, array)
+                      for array in _stack(chunk, model.generics["MaxSeq"])]
             start = time.perf_counter()
-            parts, opt_state, loss = step_function(parts, opt_state, *inputs)
-            loss = float(loss)  # waits for the step
+            parts, opt_state, (loss, weight) = step_function(parts, opt_state, *inputs)
+            loss, weight = float(loss.addressable_data(0)), float(weight.addressable_data(0))  # waits for the step
             seconds = time.perf_counter() - start
             model.params = parts
             rows_consumed += rows_a_step
-            weight = float(sum(row.weights.sum() for row in chunk))
             record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state))
             history.steps.append(record)
             report(record)
@@ -175,12 +178,12 @@ def evaluate(model: JaxModel, batches: Iterable[Row]) -> float:
         raise ValueError("evaluate got no rows with loss weight")
     _check_positions(rows[0], model.generics["MaxSeq"])
     source = model.weight_source
-    # Weights train could not take as parts (not cast to f32, or several processes) are read whole, as before.
-    if source is None or not (model.cast_dtype and jax.process_count() == 1):
+    # Weights train could not take as parts (not cast to f32) are read whole, as before.
+    if source is None or not model.cast_dtype:
         return _evaluate_whole(model, rows)
     if not isinstance(source, shard.ShardedWeights):
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-        layouts = shard.group_layouts(model.checked, mesh.size)
+        mesh = default_mesh()
+        layouts = shard.group_layouts(model.checked, shard.shards(mesh))
         parts = shard.parts_from_source(model, layouts, mesh)
         model.params = {}  # which clears weight_source: set it after
         model.weight_source = source = shard.ShardedWeights(parts, layouts, mesh)
@@ -202,15 +205,16 @@ def _evaluate_whole(model: JaxModel, rows: list[Row]) -> float:
 def _evaluate_sharded(model: JaxModel, rows: list[Row], weights: shard.ShardedWeights) -> float:
     mesh = weights.mesh
     rows_a_step = mesh.size * model.generics["Batch"]
-    placement = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    placement = NamedSharding(mesh, _rows_spec(mesh))
     function = _evaluate_function(model, weights.layouts, mesh)
     loss_sum = weight_sum = 0.0
-    for start in range(0, len(rows), rows_a_step):
+    for start in range(0, len(rows), rows_a_step):  # every process holds every row, and places its own
         chunk = _padded(rows[start:start + rows_a_step], rows_a_step)
         weight = float(sum(row.weights.sum() for row in chunk))
         if weight:
-            inputs = [jax.device_put(array, placement) for array in _stack(chunk, model.generics["MaxSeq"])]
-            loss_sum += float(np.sum(np.asarray(function(weights.parts, *inputs), np.float64)))
+            inputs = [jax.make_array_from_callback(array.shape, placement, partial(_cut_rows, array))
+                      for array in _stack(chunk, model.generics["MaxSeq"])]
+            loss_sum += float(function(weights.parts, *inputs).addressable_data(0))
             weight_sum += weight
     return loss_sum / weight_sum
 
@@ -230,10 +234,55 @@ def _check(model, mesh: Mesh) -> None:
     if not model.cast_dtype:
         raise ValueError("train keeps f32 master parts and gathers them in the compute dtype: "
                          "load the model with cast_dtype=True")
-    if jax.process_count() != 1:
-        raise ValueError(f"train drives every device from one process; this is one of {jax.process_count()}")
-    if len(mesh.axis_names) != 1:
-        raise ValueError(f"train takes a mesh of one data-parallel axis, got axes {mesh.axis_names}")
+    if len(mesh.axis_names) == 2 and tuple(mesh.axis_names) != ("replicate", "shard") or len(mesh.axis_names) > 2:
+        raise ValueError(f"train takes a mesh of one axis (the parts split over every device) or of two named "
+                         f"('replicate', 'shard') (split inside each replica), got axes {mesh.axis_names}")
+    if jax.process_count() > 1:
+        if mesh.size != jax.device_count():
+            raise ValueError(f"over several processes train's mesh holds every device of every process: "
+                             f"{jax.device_count()}, got {mesh.size}")
+        for replica in mesh.devices.reshape(-1, shard.shards(mesh)):
+            if len({device.process_index for device in replica}) > 1:
+                raise ValueError(f"over several processes each replica lies inside one process (its 'shard' axis "
+                                 f"over that process's devices: linnet.jax.train.default_mesh()); the mesh "
+                                 f"{dict(mesh.shape)} splits the parts across processes")
+
+
+def default_mesh() -> Mesh:
+    """Every device: one axis in one process; across processes (machines) ("replicate", "shard"), a
+    replica a process, its parts split over that process's devices."""
+    devices = np.array(jax.devices())
+    if jax.process_count() == 1:
+        return Mesh(devices, ("data",))
+    by_process = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(by_process).reshape(jax.process_count(), -1), ("replicate", "shard"))
+
+
+def own_rows(rows: Iterable[Row], mesh: Mesh, batch: int) -> Iterator[Row]:
+    """This process's rows of a run over `mesh` (Batch rows a device) from the rows of the whole run, in
+    the order one process would place them on the same mesh: what each process hands `train`."""
+    rows_a_step, own = mesh.size * batch, _own_devices(mesh) * batch
+    first = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()][0] * batch
+    for index, row in enumerate(rows):
+        if first <= index % rows_a_step < first + own:
+            yield row
+
+
+def _own_devices(mesh: Mesh) -> int:
+    return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
+
+
+def _of_all(mesh: Mesh) -> str:
+    return f", of {mesh.size} devices in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+
+
+def _cut_rows(array: np.ndarray, index) -> np.ndarray:
+    return array[index]
+
+
+def _rows_spec(mesh: Mesh) -> PartitionSpec:
+    """The rows of a step split over every device of the mesh, replicas first."""
+    return PartitionSpec(tuple(mesh.axis_names))
 
 
 def _stack(rows: list[Row], positions: int) -> list[np.ndarray]:
@@ -256,46 +305,48 @@ def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool):
 
 
 def _evaluate_function(model: JaxModel, layouts, mesh: Mesh):
-    """(parts, *inputs split over the mesh) -> each device's loss times its loss weight, shaped (devices,)."""
-    axis = mesh.axis_names[0]
-    loss_packed = _sharded_loss_packed(model, layouts, axis, remat=False)
+    """(parts, *inputs split over the mesh) -> the sum over the devices of each one's loss times its loss weight."""
+    loss_packed = _sharded_loss_packed(model, layouts, shard.shard_axis(mesh), remat=False)
 
     def device_loss(parts, tokens, targets, positions, segments, weights):
         local = jnp.sum(weights)
         loss = loss_packed(parts, tokens, targets, positions, segments, weights).astype(jnp.float32)
         # A device given only padding has no mean to weigh (its loss may be 0/0).
-        return jnp.where(local > 0, loss * local, 0.0)[None]
+        return jax.lax.psum(jnp.where(local > 0, loss * local, 0.0), tuple(mesh.axis_names))
 
-    split = PartitionSpec(axis)
-    return jax.jit(jax.shard_map(device_loss, mesh=mesh, in_specs=(split,) * 6, out_specs=split))
+    return jax.jit(jax.shard_map(device_loss, mesh=mesh, out_specs=PartitionSpec(),
+                                 in_specs=(PartitionSpec(shard.shard_axis(mesh)), *(_rows_spec(mesh),) * 5)))
 
 
 def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, parts, state_placements):
-    axis = mesh.axis_names[0]
+    axis, every = shard.shard_axis(mesh), tuple(mesh.axis_names)
     part_specs = jax.tree.map(lambda part: shard.part_spec(part, axis), parts)
     loss_packed = _sharded_loss_packed(model, layouts, axis, remat)
 
     def device_step(parts, tokens, targets, positions, segments, weights):
         local = jnp.sum(weights)
-        share = local / jnp.maximum(jax.lax.psum(local, axis), jnp.finfo(jnp.float32).tiny)
+        share = local / jnp.maximum(jax.lax.psum(local, every), jnp.finfo(jnp.float32).tiny)
 
         def scaled_loss(parts):
             return loss_packed(parts, tokens, targets, positions, segments, weights) * share
 
         loss, gradients = jax.value_and_grad(scaled_loss)(parts)
-        return jax.lax.psum(loss, axis), gradients
+        # Across replicas (a 2-D mesh) the parts' gradients are summed by shard_map itself: the transpose of
+        # using a part that every replica holds alike.
+        return (jax.lax.psum(loss, every), jax.lax.psum(local, every)), gradients
 
-    split = PartitionSpec(axis)
+    split = _rows_spec(mesh)
     sharded_step = jax.shard_map(device_step, mesh=mesh, in_specs=(part_specs, *(split,) * 5),
-                                 out_specs=(PartitionSpec(), part_specs))
+                                 out_specs=((PartitionSpec(), PartitionSpec()), part_specs))
 
     def step(parts, opt_state, *inputs):
-        loss, gradients = sharded_step(parts, *inputs)
+        (loss, weight), gradients = sharded_step(parts, *inputs)
         updates, opt_state = optimizer.update(gradients, opt_state, parts)
-        return optax.apply_updates(parts, updates), opt_state, loss
+        return optax.apply_updates(parts, updates), opt_state, (loss, weight)
 
     # The outputs are placed as the inputs were, so that the next step neither moves them nor recompiles.
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_placements, NamedSharding(mesh, PartitionSpec())),
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_placements, (everywhere, everywhere)),
                    compiler_options=xla_options(mesh.devices.flat[0].platform))
 
 
@@ -348,7 +399,7 @@ def layers_separable(optimizer: optax.GradientTransformation, parts: dict) -> bo
                             is_leaf=lambda node: isinstance(node, list))
 
     try:
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             each = stacked(two_steps(small, gradients))
             together = two_steps(stacked(small), [stacked(g) for g in gradients])
         return jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, rtol=1e-6, atol=1e-7)), each, together))
@@ -359,4 +410,4 @@ def layers_separable(optimizer: optax.GradientTransformation, parts: dict) -> bo
 def _learning_rate(opt_state) -> float:
     """The learning rate of this step where the optimizer exposes it (optax.inject_hyperparams), else NaN."""
     found = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
-    return float(found[0][1]) if found else float("nan")
+    return float(shard.to_host(found[0][1])) if found else float("nan")

@@ -1,0 +1,79 @@
+"""linnet.jax over several processes, as on several machines (issue on machines): two processes on the
+loopback address, 2 host devices each, joined by linnet.jax.hosts, train as one process does on 4
+devices; the checkpoint they write resumes in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_jax_train import adamw, card as card, load, mesh, rows  # noqa: F401  (the card fixture)
+
+from linnet.jax import hosts
+from linnet.jax import train as jax_train
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_processes(card, steps: int, checkpoint: Path, out: Path) -> dict:
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    processes = [subprocess.Popen([sys.executable, str(HERE / "jax_hosts_driver.py"), str(card), str(steps),
+                                   str(checkpoint), str(out)], env={**env, "JAX_PROCESS_ID": str(index)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for index in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(card, tmp_path):
+    batches = rows(4 * 4)
+    straight_model = load(card)
+    straight = jax_train.train(straight_model, batches, optimizer=adamw(), steps=4, mesh=mesh(4),
+                               on_step=lambda step: None)[1]
+    two = run_two_processes(card, 2, tmp_path / "run", tmp_path / "two.json")
+    assert two["mesh"] == {"replicate": 2, "shard": 2}
+    # f32: the same global batch a step, summed in another order (2 x 2 devices against 4).
+    np.testing.assert_allclose(two["losses"], [s.loss for s in straight.steps[:2]], rtol=1e-5)
+    assert two["loss_tokens"] == [s.loss_tokens for s in straight.steps[:2]]  # the whole step's, not a process's
+    two_steps = load(card)
+    jax_train.train(two_steps, batches, optimizer=adamw(), steps=2, mesh=mesh(4), on_step=lambda step: None)
+    np.testing.assert_allclose(two["held_out"], jax_train.evaluate(two_steps, rows(4, seed=11)), rtol=1e-5)
+    assert (tmp_path / "run-weights" / "config.json").exists()  # written once, by the first process
+    resumed = jax_train.train(load(card), batches, optimizer=adamw(), steps=4, mesh=mesh(4),
+                              on_step=lambda step: None, checkpoint=tmp_path / "run")[1]
+    assert resumed.resumed_from == 2
+    np.testing.assert_allclose([s.loss for s in resumed.steps], [s.loss for s in straight.steps[2:]], rtol=1e-5)
+
+
+def test_joining_needs_the_whole_environment(monkeypatch):
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    assert hosts.join() is False  # one process: nothing to join
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.delenv("JAX_PROCESS_ID", raising=False)
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID is not"):
+        hosts.join()
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID=2 is not one of the 2 processes"):
+        hosts.join()
+    monkeypatch.setenv("JAX_PROCESS_ID", "one")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID='one' is not a whole number"):
+        hosts.join()
