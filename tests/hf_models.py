@@ -27,6 +27,13 @@ def write_card(folder: Path, config: dict, rope_scaling: dict | None, repo: str,
     return write_model_card(folder, "llama", config, rope_scaling or {"rope_type": "default"}, repo, name)
 
 
+def write_tied_card(folder: Path, layers: int = BASE["num_hidden_layers"]) -> Path:
+    """The tests' tiny Llama, tied and with 2 KV heads, random weights: its groups (a 211 x 80 embedding,
+    80-wide norms) split unevenly over 3 and 4 ranks."""
+    config = {**BASE, "num_hidden_layers": layers, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    return write_card(folder, config, LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+
+
 def load_hf(card_path: Path, dtype=torch.float32, attn="eager"):
     from transformers import LlamaForCausalLM
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed import run
-from hf_models import BASE, LLAMA3_SCALING, write_card
+from hf_models import BASE, LLAMA3_SCALING, write_card, write_tied_card
 from linnet import nest
 from linnet.packing import Example, pack
 
@@ -32,8 +32,7 @@ def rows(world: int) -> list:
 @pytest.fixture(scope="module")
 def card(tmp_path_factory):
     """A tiny tied Llama whose groups (211 x 80 embedding, 80-wide norms) split unevenly over 3 and 4 ranks."""
-    return write_card(tmp_path_factory.mktemp("card"), {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": True},
-                      LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+    return write_tied_card(tmp_path_factory.mktemp("card"))
 
 
 def load(card, batch: int = 1, compile: str | None = None, device: str = "cpu"):
@@ -508,8 +507,7 @@ def test_a_compiled_sharded_step_prints_no_context_fn_warning():
 def deep_card(tmp_path_factory):
     """The tiny card with 5 layers: prefetch 1 keeps the last 2 layers' gathers for the backward, so 3
     are gathered again in the backward (with 2 layers none is)."""
-    return write_card(tmp_path_factory.mktemp("deep"), {**BASE, "num_hidden_layers": 5, "num_key_value_heads": 2,
-                      "tie_word_embeddings": True}, LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+    return write_tied_card(tmp_path_factory.mktemp("deep"), layers=5)
 
 
 def region_training(rank: int, world: int, card, recompute: str):

@@ -123,11 +123,10 @@ def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path,
     wrote (bf16) load in transformers as the gathered ones rounded to bf16."""
     from distributed import run
     from test_fully_shard import reference, relative_error
-    from hf_models import BASE, LLAMA3_SCALING, write_card
+    from hf_models import write_tied_card
 
     (tmp_path / "card").mkdir()
-    card = write_card(tmp_path / "card", {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": True}, LLAMA3_SCALING,
-                      repo="no-weights: random ones are drawn")
+    card = write_tied_card(tmp_path / "card")
     expected_losses, expected_weights = reference(card, world, device="cuda")
     results = run(nccl_training, world, card, compile, prefetch, str(tmp_path / "saved"), timeout=900, backend="nccl")
     for losses, weights in results:

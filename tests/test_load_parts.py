@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run
-from hf_models import BASE, LLAMA3_SCALING, save_hf_llama, write_card
+from hf_models import save_hf_llama, write_tied_card
 from linnet import nest
 
 GENERICS = {"Batch": 1, "MaxSeq": 16, "T": "f32"}
@@ -57,8 +57,7 @@ def parts_and_reads(rank: int, world: int, card, weights) -> tuple[bool, int]:
 @pytest.fixture(scope="module")
 def tied_card(tmp_path_factory):
     """Tied, with groups that split unevenly over 3 and 4 ranks."""
-    return write_card(tmp_path_factory.mktemp("card"), {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": True},
-                      LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+    return write_tied_card(tmp_path_factory.mktemp("card"))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
