@@ -2,7 +2,8 @@
 
 Like prims_torch.py: each function stands alone (jax, jnp, np and math only),
 since the emitter copies its source into the generated module. EXACT follows
-transformers' order of computation; FAST uses jax.nn.dot_product_attention."""
+transformers' order of computation; FAST uses jax.nn.dot_product_attention and
+a loss that never holds the whole row's f32 logits."""
 
 import math
 
@@ -116,10 +117,29 @@ def cross_entropy(hidden, head, targets, weights):
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
 
 
+def cross_entropy_chunked(hidden, head, targets, weights):
+    # The head's matmul and the loss 1024 positions at a time (or fewer, dividing the row), each chunk
+    # recomputed in the backward: f32 logits of one chunk live at a time, never of the whole row.
+    batch, seq, width = hidden.shape
+    chunk = math.gcd(seq, 1024)
+
+    def chunk_loss(pieces):
+        h, t, w = pieces  # (B, chunk, D), (B, chunk), (B, chunk)
+        logits = jnp.einsum("bsd,vd->bsv", h, head).astype(jnp.float32)  # (B, chunk, Vocab)
+        target = jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target) * w)
+
+    def split(x):  # (B, S, ...) -> (S / chunk, B, chunk, ...)
+        return x.reshape(batch, seq // chunk, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    total = jnp.sum(jax.lax.map(jax.checkpoint(chunk_loss), (split(hidden), split(targets), split(weights))))
+    return total / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
+
+
 _SHARED = {
     f.__name__: f
     for f in (embedding, rms_norm, linear, linear_bias, split_heads, merge_heads, rope, rotate, silu,
-              arange_positions, causal_mask, document_mask, to_f32, cross_entropy)
+              arange_positions, causal_mask, document_mask, to_f32)
 }
-EXACT = {**_SHARED, "attention": attention_exact}
-FAST = {**_SHARED, "attention": attention_fast}
+EXACT = {**_SHARED, "attention": attention_exact, "cross_entropy": cross_entropy}
+FAST = {**_SHARED, "attention": attention_fast, "cross_entropy": cross_entropy_chunked}
