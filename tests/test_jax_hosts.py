@@ -43,7 +43,7 @@ def run_two_processes(card, steps: int, checkpoint: Path, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(card, tmp_path):
+def test_two_processes_train_as_one_and_resume_from_and_into_one(card, tmp_path):
     batches = rows(4 * 4)
     straight_model = load(card)
     straight = jax_train.train(straight_model, batches, optimizer=adamw(), steps=4, mesh=mesh(4),
@@ -57,10 +57,13 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(card, tm
     jax_train.train(two_steps, batches, optimizer=adamw(), steps=2, mesh=mesh(4), on_step=lambda step: None)
     np.testing.assert_allclose(two["held_out"], jax_train.evaluate(two_steps, rows(4, seed=11)), rtol=1e-5)
     assert (tmp_path / "run-weights" / "config.json").exists()  # written once, by the first process
-    resumed = jax_train.train(load(card), batches, optimizer=adamw(), steps=4, mesh=mesh(4),
+    resumed = jax_train.train(load(card), batches, optimizer=adamw(), steps=3, mesh=mesh(4),
                               on_step=lambda step: None, checkpoint=tmp_path / "run")[1]
     assert resumed.resumed_from == 2
-    np.testing.assert_allclose([s.loss for s in resumed.steps], [s.loss for s in straight.steps[2:]], rtol=1e-5)
+    np.testing.assert_allclose([s.loss for s in resumed.steps], [straight.steps[2].loss], rtol=1e-5)
+    # And back to two processes: each skips its own share of the rows the three steps used.
+    last = run_two_processes(card, 4, tmp_path / "run", tmp_path / "last.json")
+    np.testing.assert_allclose(last["losses"], [straight.steps[3].loss], rtol=1e-5)
 
 
 def test_joining_needs_the_whole_environment(monkeypatch):

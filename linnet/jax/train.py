@@ -127,7 +127,7 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
                                  f"past steps={steps}")
             if history.resumed_from:
                 rows_consumed = checkpointer.manifest["rows_consumed"]
-                rows = itertools.islice(rows, rows_consumed, None)
+                rows = itertools.islice(rows, _own_consumed(rows_consumed, rows_a_step, own_rows), None)
             checkpointer.check_room(parts, opt_state)
         if scan_layers and layers_separable(optimizer, parts):  # after resuming: checkpoints hold a part a layer
             parts, opt_state = shard.stack_layers(parts, mesh), shard.stack_layers(opt_state, mesh)
@@ -266,6 +266,17 @@ def own_rows(rows: Iterable[Row], mesh: Mesh, batch: int) -> Iterator[Row]:
     for index, row in enumerate(rows):
         if first <= index % rows_a_step < first + own:
             yield row
+
+
+def _own_consumed(consumed: int, rows_a_step: int, own: int) -> int:
+    """How many of this process's rows the run resumed from used: its share of each step's."""
+    if own == rows_a_step:
+        return consumed
+    if consumed % rows_a_step:
+        raise ValueError(f"the checkpoint's run used {consumed} rows, not a whole number of this run's steps of "
+                         f"{rows_a_step} rows, so each process's share of them is not known: resume with as many "
+                         f"rows a step as it had (devices x Batch), or in one process")
+    return consumed // rows_a_step * own
 
 
 def _own_devices(mesh: Mesh) -> int:
