@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from test_jax_train import adamw, card as card, load, mesh, rows  # noqa: F401  (the card fixture)
 
@@ -80,3 +82,24 @@ def test_joining_needs_the_whole_environment(monkeypatch):
     monkeypatch.setenv("JAX_PROCESS_ID", "one")
     with pytest.raises(ValueError, match="JAX_PROCESS_ID='one' is not a whole number"):
         hosts.join()
+
+
+def test_a_process_fetches_an_array_from_its_own_devices_blocks():
+    """shard.to_host's assembly, which a process of several uses: every distinct block once, whether the
+    array is split along its first axis or its second (layers stacked), and an error where a block is missing."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from linnet.jax import shard
+
+    two_axes = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("replicate", "shard"))
+    for spec, shape in [(PartitionSpec("shard"), (8,)), (PartitionSpec(None, "shard"), (3, 8)), (PartitionSpec(), ())]:
+        array = jax.device_put(np.arange(np.prod(shape), dtype=np.float32).reshape(shape), NamedSharding(two_axes, spec))
+        np.testing.assert_array_equal(shard._assemble(array), np.asarray(array))
+
+    class Partial:  # what a process holds of an array split across processes: one block of two
+        shape, dtype, size = (8,), np.float32, 8
+        addressable_shards = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(
+            two_axes, PartitionSpec("shard"))).addressable_shards[:1]
+
+    with pytest.raises(ValueError, match=r"split over several processes"):
+        shard._assemble(Partial())

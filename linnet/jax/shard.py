@@ -222,14 +222,19 @@ def _set_row(stacked: jax.Array, row: jax.Array, index) -> jax.Array:
 def to_host(array: jax.Array) -> np.ndarray:
     """A whole array on the host from this process's own devices, with no collective: every array a
     process trains holds whole on its devices (train keeps each replica inside one process)."""
-    if array.is_fully_addressable:
-        return np.asarray(array)
+    return np.asarray(array) if array.is_fully_addressable else _assemble(array)
+
+
+def _assemble(array: jax.Array) -> np.ndarray:
+    """`array` whole from the blocks on this process's devices; an error if they do not cover it."""
     host = np.empty(array.shape, array.dtype)
-    covered = np.zeros(array.shape[:1] if array.ndim else (), bool)
+    blocks = set()  # each distinct block this process holds (replicas hold the same), as (start, stop) a dim
     for piece in array.addressable_shards:
-        host[piece.index] = np.asarray(piece.data)
-        covered[piece.index[:1]] = True
-    if not covered.all():
+        block = tuple(index.indices(size)[:2] for index, size in zip(piece.index, array.shape))
+        if block not in blocks:
+            blocks.add(block)
+            host[piece.index] = np.asarray(piece.data)
+    if sum(math.prod(stop - start for start, stop in block) for block in blocks) != array.size:
         raise ValueError(f"an array of shape {array.shape} is split over several processes; linnet.jax keeps every "
                          f"part in each process (a ('replicate', 'shard') mesh, a replica a process)")
     return host
