@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet import checkpoint_folder, folder_lock, resume_check
-from linnet.jax.shard import to_host
+from linnet.jax.shard import from_host, to_host
 from linnet.storage import storage_errors
 
 FRAMEWORK = "jax"
@@ -199,8 +199,7 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
             if array is None:  # this run's setting, kept
                 leaves.append(fresh)
                 continue
-            host = array()
-            leaves.append(jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: host[index]))
+            leaves.append(from_host(array(), fresh.sharding))
             fresh.delete()  # the fresh state goes as the saved one arrives: never two copies on a device
         return jax.tree_util.tree_unflatten(structure, leaves)
 

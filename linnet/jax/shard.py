@@ -219,6 +219,12 @@ def _set_row(stacked: jax.Array, row: jax.Array, index) -> jax.Array:
     return stacked.at[index].set(row)
 
 
+def from_host(host: np.ndarray, sharding) -> jax.Array:
+    """`host` placed as `sharding` says, each device given only its own block (so a process of several
+    places only what its devices hold)."""
+    return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+
+
 def to_host(array: jax.Array) -> np.ndarray:
     """A whole array on the host from this process's own devices, with no collective: every array a
     process trains holds whole on its devices (train keeps each replica inside one process)."""

@@ -212,8 +212,7 @@ def _evaluate_sharded(model: JaxModel, rows: list[Row], weights: shard.ShardedWe
         chunk = _padded(rows[start:start + rows_a_step], rows_a_step)
         weight = float(sum(row.weights.sum() for row in chunk))
         if weight:
-            inputs = [jax.make_array_from_callback(array.shape, placement, partial(_cut_rows, array))
-                      for array in _stack(chunk, model.generics["MaxSeq"])]
+            inputs = [shard.from_host(array, placement) for array in _stack(chunk, model.generics["MaxSeq"])]
             loss_sum += float(function(weights.parts, *inputs).addressable_data(0))
             weight_sum += weight
     return loss_sum / weight_sum
@@ -234,7 +233,7 @@ def _check(model, mesh: Mesh) -> None:
     if not model.cast_dtype:
         raise ValueError("train keeps f32 master parts and gathers them in the compute dtype: "
                          "load the model with cast_dtype=True")
-    if len(mesh.axis_names) == 2 and tuple(mesh.axis_names) != ("replicate", "shard") or len(mesh.axis_names) > 2:
+    if len(mesh.axis_names) != 1 and tuple(mesh.axis_names) != ("replicate", "shard"):
         raise ValueError(f"train takes a mesh of one axis (the parts split over every device) or of two named "
                          f"('replicate', 'shard') (split inside each replica), got axes {mesh.axis_names}")
     if jax.process_count() > 1:
@@ -285,10 +284,6 @@ def _own_devices(mesh: Mesh) -> int:
 
 def _of_all(mesh: Mesh) -> str:
     return f", of {mesh.size} devices in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-
-
-def _cut_rows(array: np.ndarray, index) -> np.ndarray:
-    return array[index]
 
 
 def _rows_spec(mesh: Mesh) -> PartitionSpec:
