@@ -27,6 +27,8 @@ parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--tokens", type=int, default=4096)
 parser.add_argument("--no-remat", dest="remat", action="store_false")
 parser.add_argument("--no-scan", dest="scan", action="store_false", help="run the layers as a loop, not lax.scan")
+parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
+                    "of one document a row")
 parser.add_argument("--init", help="start from this Hugging Face checkpoint folder (benchmarks/shared_start.py)")
 parser.add_argument("--rows", help="train on this .npz of rows (device d takes rows d, d + D, ...)")
 parser.add_argument("--held-out", help="report the held-out loss over this .npz of rows before and after training")
@@ -39,14 +41,14 @@ mesh = Mesh(np.array(jax.devices()), ("data",))
 count, seq = parameters(model), args.tokens
 held_out = load_rows(args.held_out) if args.held_out else None
 loss_start = evaluate(model, held_out) if held_out else None
-rows = load_rows(args.rows) if args.rows else random_rows(0, seq, model.checked.dims["Vocab"])
+rows = load_rows(args.rows) if args.rows else random_rows(0, seq, model.checked.dims["Vocab"], packed=args.packed)
 _, history = train(model, iter(rows), optimizer=optax.adamw(1e-5, weight_decay=0.0), steps=args.steps,
                    mesh=mesh, remat=args.remat, scan_layers=args.scan,
                    on_step=lambda s: print(f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True))
 loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices())
-result = dict(card=args.card, devices=mesh.size, remat=args.remat, scan=args.scan, params=count, step_s=round(step, 4),
+result = dict(card=args.card, devices=mesh.size, remat=args.remat, scan=args.scan, packed=args.packed, params=count, step_s=round(step, 4),
               tok_s=round(mesh.size * seq / step), tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(peak / 2**30, 2), first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]],
               setup_s=round(time.perf_counter() - start, 1), losses=[round(s.loss, 4) for s in history.steps],

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The measurements of the issue on JAX speed, in stages that each fit a device call:
+#   bash benchmarks/jax_speed.sh attention [1b 8b]   attention candidates over packed rows (benchmarks/attention_jax.py)
+#   bash benchmarks/jax_speed.sh steps CARD [ARGS]    the JAX step scanned and as a loop (step_jax.py ARGS), then
+#                                                     the PyTorch step of the same card beside it (needs the build:
+#                                                     bash benchmarks/kernels.sh build)
+# Logs under $OUT; each run's RESULT line is printed.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+run() {  # name, then the command; keeps going when one fails
+  local name=$1; shift
+  echo "== $name"; timeout 420 "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"
+  grep -E "^RESULT|Error|error:" "$OUT/$name.log" | cut -c1-700 | tail -20
+}
+case "${1:-}" in
+  attention)
+    shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 8b)
+    for shape in "${shapes[@]}"; do run "attention-jax-$shape" python3 benchmarks/attention_jax.py --shape "$shape"; done ;;
+  steps)
+    card=$2; shift 2; name=${card##*-}
+    run "jax-$name-scan" python3 benchmarks/step_jax.py --card "$card" --steps 12 "$@"
+    run "jax-$name-loop" python3 benchmarks/step_jax.py --card "$card" --steps 12 --no-scan "$@" ;;
+  torch)
+    card=$2; shift 2; name=${card##*-}
+    run "torch-$name" torchrun --nproc_per_node=1 benchmarks/step.py --card "$card" --steps 12 "$@" ;;
+  *) echo "usage: bash benchmarks/jax_speed.sh attention [shapes]|steps CARD [ARGS]|torch CARD [ARGS]"; exit 2 ;;
+esac
