@@ -19,8 +19,8 @@ case "${1:-}" in
     for shape in "${shapes[@]}"; do run "attention-jax-$shape" python3 benchmarks/attention_jax.py --shape "$shape"; done ;;
   steps)
     card=$2; shift 2; name=${card##*-}
-    run "jax-$name-scan" python3 benchmarks/step_jax.py --card "$card" --steps 12 "$@"
-    run "jax-$name-loop" python3 benchmarks/step_jax.py --card "$card" --steps 12 --no-scan "$@" ;;
+    run "jax-$name-loop" python3 benchmarks/step_jax.py --card "$card" --steps 12 "$@"
+    run "jax-$name-scan" python3 benchmarks/step_jax.py --card "$card" --steps 12 --scan "$@" ;;
   torch)
     card=$2; shift 2; name=${card##*-}
     run "torch-$name" torchrun --nproc_per_node=1 benchmarks/step.py --card "$card" --steps 12 "$@" ;;

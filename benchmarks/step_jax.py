@@ -26,7 +26,7 @@ parser.add_argument("--card", default="llama-3.2-1b")
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--tokens", type=int, default=4096)
 parser.add_argument("--no-remat", dest="remat", action="store_false")
-parser.add_argument("--no-scan", dest="scan", action="store_false", help="run the layers as a loop, not lax.scan")
+parser.add_argument("--scan", action="store_true", help="run the layers by lax.scan over one stacked array (train's scan_layers)")
 parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
                     "of one document a row")
 parser.add_argument("--init", help="start from this Hugging Face checkpoint folder (benchmarks/shared_start.py)")
@@ -37,6 +37,7 @@ args = parser.parse_args()
 start = time.perf_counter()
 model = nest.load(args.card, backend="jax_source", entry="loss_packed", numerics="fast",
                   generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"}, cast_dtype=True, weights=args.init or "random")
+print(f"loaded in {time.perf_counter() - start:.1f} s", flush=True)
 mesh = Mesh(np.array(jax.devices()), ("data",))
 count, seq = parameters(model), args.tokens
 held_out = load_rows(args.held_out) if args.held_out else None

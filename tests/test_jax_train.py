@@ -113,9 +113,9 @@ def test_sharded_training_equals_one_device(card, devices, batch):
     params, history = jax_train.train(model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(devices),
                                       remat=False, on_step=lambda step: None)
     # f32 throughout: only the order of the sums differs (per device, then reduce-scattered), and XLA's
-    # fusions of the scanned layers. The gradients of one step agree to 1e-6 (the untied card, one device,
-    # scanned against the reference's loop); AdamW's per-element steps grow that to 2.1e-5 in the
-    # embedding by the fourth step, hence 5e-5 for the weights.
+    # fusions. The gradients of one step agree to 1e-6 (the untied card, one device, scanned layers
+    # against the reference's loop); AdamW's per-element steps grow that to 2.1e-5 in the embedding by
+    # the fourth step, hence 5e-5 for the weights (test_layers_are_scanned_as_one_stacked_array scans).
     np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-5)
     assert params is model.weight_source.parts  # drawn straight into parts, and left so
     assert_same_weights(model.params, expected_params, 5e-5)  # gathered whole when asked
@@ -224,7 +224,7 @@ def test_layers_are_scanned_as_one_stacked_array(card, monkeypatch):
     monkeypatch.setattr(shard, "over_layers", lambda one_layer, x, layers: handed.append(layers) or over_layers(one_layer, x, layers))
     batches = rows(STEPS * 2)
     scanned_model = load(card)
-    scanned = jax_train.train(scanned_model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(2),
+    scanned = jax_train.train(scanned_model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(2), scan_layers=True,
                               on_step=lambda step: None)
     layers = scanned[0]["layers"]
     assert [getattr(handed_layers, "shape", None) for handed_layers in handed] == [(2, layers[0].shape[0] // 2)]

@@ -2,8 +2,8 @@
 
 Like prims_torch.py: each function stands alone (jax, jnp, np and math only),
 since the emitter copies its source into the generated module. EXACT follows
-transformers' order of computation; FAST uses jax.nn.dot_product_attention and
-a loss that never holds the whole row's f32 logits."""
+transformers' order of computation; FAST uses fused attention (cuDNN's on GPUs)
+and a loss that never holds the whole row's f32 logits."""
 
 import math
 
@@ -80,9 +80,60 @@ def attention_exact(q, k, v, mask):
 
 
 def attention_fast(q, k, v, mask):
-    # jax.nn.dot_product_attention takes (B, S, H, Dh) and handles grouped heads.
-    out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask)
+    # `mask` is what the fast masks give: None for causal attention, or the row's segments (B, S), the
+    # documents numbered 0, 1, ... along each row. On an Ampere or later GPU cuDNN's fused attention:
+    # causal where every row is one document, else its packed layout (each document a segment, by its
+    # start and length) for up to 16 documents a row, else the dense document mask as a bias with the
+    # upper triangle skipped; the choice is made on the device, a lax.switch on the rows' document count
+    # (benchmarks/NOTES.md has the kernels side by side). Elsewhere, and in f32, XLA's attention. All take (B, S, H, Dh)
+    # and grouped heads as they are.
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    scale = q.shape[-1] ** -0.5
+    device = jax.devices()[0]
+    fused = (device.platform == "gpu" and float(getattr(device, "compute_capability", 0) or 0) >= 8.0
+             and q.dtype in (jnp.bfloat16, jnp.float16))  # cuDNN's fused attention takes no f32
+
+    def dense(q, k, v):
+        seq = mask.shape[1]
+        same = (mask[:, :, None] == mask[:, None, :]) & jnp.tril(jnp.ones((seq, seq), dtype=bool))  # (B, S, S)
+        return jax.nn.dot_product_attention(q, k, v, mask=same[:, None], is_causal=fused, scale=scale,
+                                            implementation="cudnn" if fused else "xla")
+
+    def causal(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="cudnn" if fused else "xla")
+
+    def packed(most):
+        def attend(q, k, v):
+            # cuDNN's scratch grows with `most` (a (T, N, H) f32 block a segment), so a few sizes, not one.
+            from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+            lengths = jax.vmap(lambda row: jnp.bincount(row, length=most))(mask).astype(jnp.int32)  # (B, most)
+            starts = jnp.cumsum(lengths, axis=1) - lengths
+            present = lengths > 0
+            starts = jnp.concatenate([jnp.where(present, starts, -1), jnp.full_like(starts[:, :1], -1)], axis=1)
+            lengths = jnp.where(present, lengths, -1)
+            return dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts,
+                                         kv_offsets=starts, scale=scale, mask_type=MaskType.PADDING_CAUSAL)
+        return attend
+
+    if mask is None:
+        out = causal(q, k, v)
+    elif not fused:
+        out = dense(q, k, v)
+    else:
+        documents = jnp.max(mask) + 1
+        which = jnp.searchsorted(jnp.array([1, 8, 16], jnp.int32), documents)  # 0: one, 1: up to 8, 2: 16, 3: more
+        out = jax.lax.switch(which, [causal, packed(8), packed(16), dense], q, k, v)
     return out.transpose(0, 2, 1, 3)  # (B, H, S, Dh)
+
+
+def causal_mask_fast(tokens):
+    return None
+
+
+def document_mask_fast(segments):
+    # The segments themselves: attention_fast picks its kernel from them.
+    return segments
 
 
 def silu(x):
@@ -118,28 +169,58 @@ def cross_entropy(hidden, head, targets, weights):
 
 
 def cross_entropy_chunked(hidden, head, targets, weights):
-    # The head's matmul and the loss 1024 positions at a time (or fewer, dividing the row), each chunk
-    # recomputed in the backward: f32 logits of one chunk live at a time, never of the whole row.
+    # The head's matmul and the loss 1024 positions at a time (or fewer, dividing the row): f32 logits of
+    # one chunk live at a time, never of the whole row. Differentiated, each chunk's gradients are made
+    # where its logits are (softmax less the target, times the weight), so the backward only scales
+    # them: three matmuls a chunk, as the plain loss, where recomputing each chunk would take four.
     batch, seq, width = hidden.shape
     chunk = math.gcd(seq, 1024)
-
-    def chunk_loss(pieces):
-        h, t, w = pieces  # (B, chunk, D), (B, chunk), (B, chunk)
-        logits = jnp.einsum("bsd,vd->bsv", h, head).astype(jnp.float32)  # (B, chunk, Vocab)
-        target = jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1)[..., 0]
-        return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target) * w)
 
     def split(x):  # (B, S, ...) -> (S / chunk, B, chunk, ...)
         return x.reshape(batch, seq // chunk, chunk, *x.shape[2:]).swapaxes(0, 1)
 
-    total = jnp.sum(jax.lax.map(jax.checkpoint(chunk_loss), (split(hidden), split(targets), split(weights))))
-    return total / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
+    def chunk_losses(h, head, t, w, with_gradients):
+        logits = jnp.einsum("bsd,vd->bsv", h, head).astype(jnp.float32)  # (B, chunk, Vocab)
+        top = jax.nn.logsumexp(logits, axis=-1)
+        losses = top - jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        if not with_gradients:
+            return jnp.sum(losses * w)
+        d_logits = (jnp.exp(logits - top[..., None]) - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)) * w[..., None]
+        d_logits = d_logits.astype(h.dtype)  # as the cast to f32 passes the gradient back
+        d_hidden = jnp.einsum("bsv,vd->bsd", d_logits, head)
+        d_head = jnp.einsum("bsv,bsd->vd", d_logits, h, preferred_element_type=jnp.float32)
+        return jnp.sum(losses * w), d_hidden, d_head
+
+    def summed(hidden, head, targets, weights):
+        return jnp.sum(jax.lax.map(lambda p: chunk_losses(p[0], head, p[1], p[2], False),
+                                   (split(hidden), split(targets), split(weights))))
+
+    def summed_forward(hidden, head, targets, weights):
+        def step(d_head, pieces):
+            loss, d_hidden, d_head_chunk = chunk_losses(pieces[0], head, pieces[1], pieces[2], True)
+            return d_head + d_head_chunk, (loss, d_hidden)
+
+        d_head, (losses, d_hidden) = jax.lax.scan(step, jnp.zeros(head.shape, jnp.float32),
+                                                  (split(hidden), split(targets), split(weights)))
+        d_hidden = d_hidden.swapaxes(0, 1).reshape(hidden.shape)
+        return jnp.sum(losses), (d_hidden, d_head.astype(head.dtype))
+
+    def summed_backward(saved, g):
+        d_hidden, d_head = saved
+        return ((d_hidden.astype(jnp.float32) * g).astype(d_hidden.dtype), (d_head.astype(jnp.float32) * g).astype(d_head.dtype),
+                None, None)
+
+    total = jax.custom_vjp(summed)
+    total.defvjp(summed_forward, summed_backward)
+    return total(hidden, head, targets, weights) / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
 
 
 _SHARED = {
     f.__name__: f
     for f in (embedding, rms_norm, linear, linear_bias, split_heads, merge_heads, rope, rotate, silu,
-              arange_positions, causal_mask, document_mask, to_f32)
+              arange_positions, to_f32)
 }
-EXACT = {**_SHARED, "attention": attention_exact, "cross_entropy": cross_entropy}
-FAST = {**_SHARED, "attention": attention_fast, "cross_entropy": cross_entropy_chunked}
+EXACT = {**_SHARED, "attention": attention_exact, "causal_mask": causal_mask, "document_mask": document_mask,
+         "cross_entropy": cross_entropy}
+FAST = {**_SHARED, "attention": attention_fast, "causal_mask": causal_mask_fast, "document_mask": document_mask_fast,
+        "cross_entropy": cross_entropy_chunked}

@@ -11,10 +11,10 @@ rows, every weight fully sharded (inside each replica).
 A step is one jitted function: `shard_map` runs the card's sharded
 `loss_packed` on each device's rows (linnet/jax/shard.py gathers each layer's
 weights where it runs and reduce-scatters its gradient into the f32 part),
-then the optimizer updates the parts where they lie. While the run lasts the
-layers' parts (and their optimizer state) are one [Layers, part] array, which
-the step runs through `lax.scan` (`over_layers` in the printed source): one
-layer compiled once, its gathers free to be pipelined (`scan_layers`). The loss optimised and
+then the optimizer updates the parts where they lie. With `scan_layers` the
+layers' parts (and their optimizer state) are one [Layers, part] array while
+the run lasts, which the step runs through `lax.scan` (`over_layers` in the
+printed source): one layer compiled once. The loss optimised and
 reported is the token-weighted mean over the whole global batch: each
 device's mean is scaled by its share of the batch's loss weight, so the
 summed gradients are those of the global mean.
@@ -68,7 +68,7 @@ def train(
     steps: int,
     mesh: Mesh,
     remat: bool = True,
-    scan_layers: bool = True,
+    scan_layers: bool = False,
     on_step: Callable[[Step], None] | None = None,
     checkpoint: str | None = None,
     checkpoint_every: int | None = None,
@@ -78,10 +78,13 @@ def train(
 
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input.
     scan_layers: while training, hold the layers' parts (and their optimizer state) as one [Layers, part]
-        array and run them with `lax.scan`: one layer compiled once, and XLA free to pipeline a layer's
-        gather and reduce-scatter under its neighbour's compute. Kept to optimizers whose update of the
+        array and run them with `lax.scan`: one layer compiled once (the 1B's first step 9 s against 18 s
+        on an H200), and XLA free to pipeline a layer's gather and reduce-scatter under its neighbour's
+        compute. Off by default: on one H200 the scanned 1B step took 0.104 s and 32 GiB against the
+        loop's 0.085 s and 23 GiB, and the 8B's stacked f32 layers (26 GiB in one buffer) found no room;
+        not measured over several GPUs (benchmarks/NOTES.md). Kept to optimizers whose update of the
         stacked layers equals their update of each (checked on a small tree first: Adafactor's factored
-        moments and LAMB's trust ratio are per array, so those run the layers as a loop, as does False).
+        moments and LAMB's trust ratio are per array, so those run the layers as a loop).
     checkpoint: a folder to resume from, and to save into every `checkpoint_every` steps (if given) and after
         the last. The run holds it until it returns (another run pointed at it stops at once, naming this one),
         and checks before its first step that it can write a checkpoint there."""
