@@ -33,12 +33,15 @@ def qkv(seed: int):
         jax.random.normal(keys[3], shapes[0], jnp.float32)
 
 
-@pytest.mark.parametrize("documents", [0, 1, 5, 12, 40], ids=["causal", "one", "few", "several", "many"])
+@pytest.mark.parametrize("documents", [0, 1, 5, 12, 40, -5], ids=["causal", "one", "few", "several", "many", "unordered"])
 def test_fused_attention_equals_exact_on_packed_rows(documents):
     """0 is the causal mask; 1 document takes causal attention through the document mask, 5 and 12 the
-    packed layout of 8 and 16 segments, 40 the dense mask."""
-    (q, k, v), cotangent = qkv(documents)
-    segments = jnp.asarray(segments_of(documents, documents)) if documents > 1 else jnp.zeros((BATCH, SEQ), jnp.int32)
+    packed layout of 8 and 16 segments, 40 the dense mask, and -5 five documents numbered backwards
+    along the rows (not linnet.packing's order) the dense mask too."""
+    (q, k, v), cotangent = qkv(abs(documents))
+    segments = jnp.asarray(segments_of(abs(documents), abs(documents))) if abs(documents) > 1 else jnp.zeros((BATCH, SEQ), jnp.int32)
+    if documents < 0:
+        segments = jnp.max(segments) - segments
     if documents == 0:
         fast_mask, exact_mask = prims_jax.causal_mask_fast(segments), prims_jax.causal_mask(segments)
     else:

@@ -123,6 +123,9 @@ def attention_fast(q, k, v, mask):
     else:
         documents = jnp.max(mask) + 1
         which = jnp.searchsorted(jnp.array([1, 8, 16], jnp.int32), documents)  # 0: one, 1: up to 8, 2: 16, 3: more
+        # Offsets and lengths hold for segments that never fall along a row (linnet.packing's): others, dense.
+        ordered = jnp.all(mask[:, 1:] >= mask[:, :-1]) & (jnp.min(mask) >= 0)
+        which = jnp.where(ordered, which, 3)
         out = jax.lax.switch(which, [causal, packed(8), packed(16), dense], q, k, v)
     return out.transpose(0, 2, 1, 3)  # (B, H, S, Dh)
 
@@ -200,10 +203,13 @@ def cross_entropy_chunked(hidden, head, targets, weights):
             loss, d_hidden, d_head_chunk = chunk_losses(pieces[0], head, pieces[1], pieces[2], True)
             return d_head + d_head_chunk, (loss, d_hidden)
 
-        d_head, (losses, d_hidden) = jax.lax.scan(step, jnp.zeros(head.shape, jnp.float32),
-                                                  (split(hidden), split(targets), split(weights)))
-        d_hidden = d_hidden.swapaxes(0, 1).reshape(hidden.shape)
-        return jnp.sum(losses), (d_hidden, d_head.astype(head.dtype))
+        # The first chunk starts the sum of the head's gradient (a carry of zeros would not be varying
+        # over shard_map's axes as the head is).
+        chunks = (split(hidden), split(targets), split(weights))
+        d_head, (loss, d_hidden) = step(0.0, [c[0] for c in chunks])
+        d_head, (losses, d_hiddens) = jax.lax.scan(step, d_head, [c[1:] for c in chunks])
+        d_hidden = jnp.concatenate([d_hidden[None], d_hiddens]).swapaxes(0, 1).reshape(hidden.shape)
+        return loss + jnp.sum(losses), (d_hidden, d_head.astype(head.dtype))
 
     def summed_backward(saved, g):
         d_hidden, d_head = saved

