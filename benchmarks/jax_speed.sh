@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The measurements of the issue on JAX speed, in stages that each fit a device call:
 #   bash benchmarks/jax_speed.sh attention [1b 8b]   attention candidates over packed rows (benchmarks/attention_jax.py)
-#   bash benchmarks/jax_speed.sh steps CARD [ARGS]    the JAX step scanned and as a loop (step_jax.py ARGS), then
-#                                                     the PyTorch step of the same card beside it (needs the build:
-#                                                     bash benchmarks/kernels.sh build)
+#   bash benchmarks/jax_speed.sh steps CARD [ARGS]    the JAX step as a loop and scanned (step_jax.py ARGS); 8B
+#                                                     needs a call for each (its set-up alone takes minutes)
+#   bash benchmarks/jax_speed.sh torch CARD [ARGS]    the PyTorch step of the same card (step.py ARGS; needs the
+#                                                     build: bash benchmarks/kernels.sh build)
 # Logs under $OUT; each run's RESULT line is printed.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -18,11 +19,11 @@ case "${1:-}" in
     shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 8b)
     for shape in "${shapes[@]}"; do run "attention-jax-$shape" python3 benchmarks/attention_jax.py --shape "$shape"; done ;;
   steps)
-    card=$2; shift 2; name=${card##*-}
+    card=$2; shift 2; name=${card#llama-}
     run "jax-$name-loop" python3 benchmarks/step_jax.py --card "$card" --steps 12 "$@"
     run "jax-$name-scan" python3 benchmarks/step_jax.py --card "$card" --steps 12 --scan "$@" ;;
   torch)
-    card=$2; shift 2; name=${card##*-}
+    card=$2; shift 2; name=${card#llama-}
     run "torch-$name" torchrun --nproc_per_node=1 benchmarks/step.py --card "$card" --steps 12 "$@" ;;
   *) echo "usage: bash benchmarks/jax_speed.sh attention [shapes]|steps CARD [ARGS]|torch CARD [ARGS]"; exit 2 ;;
 esac

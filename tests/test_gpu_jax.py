@@ -33,8 +33,9 @@ def qkv(seed: int):
         jax.random.normal(keys[3], shapes[0], jnp.float32)
 
 
-@pytest.mark.parametrize("documents", [0, 1, 5, 12, 40, -5], ids=["causal", "one", "few", "several", "many", "unordered"])
-def test_fused_attention_equals_exact_on_packed_rows(documents):
+@pytest.mark.parametrize("documents,branch", [(0, None), (1, 0), (5, 1), (12, 2), (40, 3), (-5, 3)],
+                         ids=["causal", "one", "few", "several", "many", "unordered"])
+def test_fused_attention_equals_exact_on_packed_rows(documents, branch, monkeypatch):
     """0 is the causal mask; 1 document takes causal attention through the document mask, 5 and 12 the
     packed layout of 8 and 16 segments, 40 the dense mask, and -5 five documents numbered backwards
     along the rows (not linnet.packing's order) the dense mask too."""
@@ -55,6 +56,15 @@ def test_fused_attention_equals_exact_on_packed_rows(documents):
         return jnp.sum(prims_jax.attention_exact(q, k, v, exact_mask) * cotangent)
 
     assert "cudnn" in jax.jit(fast).lower(q, k, v).compile().as_text()  # the fused kernel, not XLA's
+    # Which kernel the rows chose: run once outside jit, where the switch's index is a number. Branches
+    # on Hopper with jax >= 0.11.2: causal, packed 8, packed 16, dense; before Hopper: causal, dense.
+    hopper = float(jax.devices()[0].compute_capability) >= 9.0 and \
+        tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()) >= (0, 11, 2)
+    branch = branch if hopper or branch is None else min(branch, 1)
+    chosen, switch = [], jax.lax.switch
+    monkeypatch.setattr(jax.lax, "switch", lambda index, branches, *a: chosen.append(int(index)) or switch(index, branches, *a))
+    prims_jax.attention_fast(*(x.astype(jnp.bfloat16) for x in (q, k, v)), fast_mask)
+    assert chosen == ([] if branch is None else [branch])
     got, want = jax.grad(fast, argnums=(0, 1, 2))(q, k, v), jax.grad(exact, argnums=(0, 1, 2))(q, k, v)
     out_got = prims_jax.attention_fast(*(x.astype(jnp.bfloat16) for x in (q, k, v)), fast_mask).astype(jnp.float32)
     out_want = prims_jax.attention_exact(q, k, v, exact_mask)

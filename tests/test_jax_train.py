@@ -105,32 +105,33 @@ def assert_same_weights(actual, expected, tolerance):
     assert worst[0] < tolerance, f"{worst[1]} differs by {worst[0]:.2e}"
 
 
-@pytest.mark.parametrize("devices,batch", [(1, 1), (2, 2), (3, 1), (4, 1)])  # 3: every group padded
-def test_sharded_training_equals_one_device(card, devices, batch):
+@pytest.mark.parametrize("devices,batch,scan", [(1, 1, False), (2, 2, False), (3, 1, False), (4, 1, False), (3, 1, True)])
+def test_sharded_training_equals_one_device(card, devices, batch, scan):  # 3: every group padded
     batches = rows(STEPS * devices * batch)
     expected_params, expected_losses = reference(card, batches, devices * batch)
     model = load(card, batch=batch)
     params, history = jax_train.train(model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(devices),
-                                      remat=False, on_step=lambda step: None)
+                                      remat=False, scan_layers=scan, on_step=lambda step: None)
     # f32 throughout: only the order of the sums differs (per device, then reduce-scattered), and XLA's
     # fusions. The gradients of one step agree to 1e-6 (the untied card, one device, scanned layers
     # against the reference's loop); AdamW's per-element steps grow that to 2.1e-5 in the embedding by
-    # the fourth step, hence 5e-5 for the weights (test_layers_are_scanned_as_one_stacked_array scans).
+    # the fourth step, hence 5e-5 for the weights.
     np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-5)
     assert params is model.weight_source.parts  # drawn straight into parts, and left so
     assert_same_weights(model.params, expected_params, 5e-5)  # gathered whole when asked
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (4, 1)])
-def test_a_replicated_mesh_trains_as_one_device(card, shape):
+@pytest.mark.parametrize("shape,numerics,scan", [((2, 2), "exact", False), ((4, 1), "exact", False), ((2, 2), "fast", True)])
+def test_a_replicated_mesh_trains_as_one_device(card, shape, numerics, scan):
     """A ("replicate", "shard") mesh (a machine a replica, across machines): each replica holds every part,
-    split over its own devices, and the gradients are summed across replicas."""
+    split over its own devices, and the gradients are summed across replicas; also with the fast loss,
+    whose own gradient rule must sum the head's across replicas, and the layers scanned."""
     batches = rows(STEPS * 4)
     expected_params, expected_losses = reference(card, batches, 4)
-    model = load(card)
+    model = load(card, numerics=numerics)
     two_axes = Mesh(np.array(jax.devices()[:4]).reshape(shape), ("replicate", "shard"))
     params, history = jax_train.train(model, batches, optimizer=adamw(), steps=STEPS, mesh=two_axes,
-                                      on_step=lambda step: None)
+                                      scan_layers=scan, on_step=lambda step: None)
     np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-5)
     assert all(part.sharding.spec == jax.sharding.PartitionSpec("shard") for part in jax.tree.leaves(params))
     assert_same_weights(model.params, expected_params, 5e-5)

@@ -81,17 +81,21 @@ def attention_exact(q, k, v, mask):
 
 def attention_fast(q, k, v, mask):
     # `mask` is what the fast masks give: None for causal attention, or the row's segments (B, S), the
-    # documents numbered 0, 1, ... along each row. On an Ampere or later GPU cuDNN's fused attention:
-    # causal where every row is one document, else its packed layout (each document a segment, by its
-    # start and length) for up to 16 documents a row, else the dense document mask as a bias with the
-    # upper triangle skipped; the choice is made on the device, a lax.switch on the rows' document count
-    # (benchmarks/NOTES.md has the kernels side by side). Elsewhere, and in f32, XLA's attention. All take (B, S, H, Dh)
-    # and grouped heads as they are.
+    # documents numbered 0, 1, ... along each row. On an Ampere or later GPU, in bf16 or f16, cuDNN's
+    # fused attention: causal where every row is one document; else, on Hopper or later, its packed
+    # layout (each document a segment, by its start and length) for up to 16 documents a row; else the
+    # dense document mask as a bias with the upper triangle skipped. The choice is made on the device, a
+    # lax.switch on the rows' document count (benchmarks/NOTES.md has the kernels side by side).
+    # Elsewhere, and in f32, XLA's attention. All take (B, S, H, Dh) and grouped heads as they are.
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     scale = q.shape[-1] ** -0.5
     device = jax.devices()[0]
-    fused = (device.platform == "gpu" and float(getattr(device, "compute_capability", 0) or 0) >= 8.0
-             and q.dtype in (jnp.bfloat16, jnp.float16))  # cuDNN's fused attention takes no f32
+    capability = float(getattr(device, "compute_capability", 0) or 0) if device.platform == "gpu" else 0.0
+    fused = capability >= 8.0 and q.dtype in (jnp.bfloat16, jnp.float16)  # cuDNN's fused attention takes no f32
+    # The packed layout needs Hopper, and with fewer key than query heads a jax whose offsets count the
+    # key heads (wrong before 0.11.1; 0.11.2 measured right).
+    version = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+    packs = capability >= 9.0 and (version >= (0, 11, 2) or k.shape[2] == q.shape[2])
 
     def dense(q, k, v):
         seq = mask.shape[1]
@@ -104,7 +108,8 @@ def attention_fast(q, k, v, mask):
 
     def packed(most):
         def attend(q, k, v):
-            # cuDNN's scratch grows with `most` (a (T, N, H) f32 block a segment), so a few sizes, not one.
+            # cuDNN's time and scratch grow with `most` (two (T, N, H) f32 blocks a segment were measured),
+            # so a few sizes, not one.
             from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
             lengths = jax.vmap(lambda row: jnp.bincount(row, length=most))(mask).astype(jnp.int32)  # (B, most)
@@ -121,12 +126,11 @@ def attention_fast(q, k, v, mask):
     elif not fused:
         out = dense(q, k, v)
     else:
-        documents = jnp.max(mask) + 1
-        which = jnp.searchsorted(jnp.array([1, 8, 16], jnp.int32), documents)  # 0: one, 1: up to 8, 2: 16, 3: more
+        branches, bounds = ([causal, packed(8), packed(16), dense], [1, 8, 16]) if packs else ([causal, dense], [1])
+        which = jnp.searchsorted(jnp.array(bounds, jnp.int32), jnp.max(mask) + 1)  # by the most documents a row
         # Offsets and lengths hold for segments that never fall along a row (linnet.packing's): others, dense.
         ordered = jnp.all(mask[:, 1:] >= mask[:, :-1]) & (jnp.min(mask) >= 0)
-        which = jnp.where(ordered, which, 3)
-        out = jax.lax.switch(which, [causal, packed(8), packed(16), dense], q, k, v)
+        out = jax.lax.switch(jnp.where(ordered, which, len(branches) - 1), branches, q, k, v)
     return out.transpose(0, 2, 1, 3)  # (B, H, S, Dh)
 
 
@@ -175,9 +179,19 @@ def cross_entropy_chunked(hidden, head, targets, weights):
     # The head's matmul and the loss 1024 positions at a time (or fewer, dividing the row): f32 logits of
     # one chunk live at a time, never of the whole row. Differentiated, each chunk's gradients are made
     # where its logits are (softmax less the target, times the weight), so the backward only scales
-    # them: three matmuls a chunk, as the plain loss, where recomputing each chunk would take four.
+    # them: three matmuls a chunk, as the plain loss, where recomputing each chunk would take four. The
+    # price: the head's gradient (Vocab x D) is held from the loss's forward to its backward. The loss
+    # weights are data: no gradient flows to them.
     batch, seq, width = hidden.shape
     chunk = math.gcd(seq, 1024)
+    weights = jax.lax.stop_gradient(weights)
+    # Under shard_map the rows vary over every axis of the mesh, and a head gathered inside one group of
+    # a larger mesh over fewer: the head is made varying over the rest, whose transpose sums its
+    # gradient across them (as autodiff would).
+    kind = lambda x: getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())  # noqa: E731
+    missing = tuple(sorted(kind(hidden) - kind(head)))
+    if missing:
+        head = jax.lax.pcast(head, missing, to="varying")
 
     def split(x):  # (B, S, ...) -> (S / chunk, B, chunk, ...)
         return x.reshape(batch, seq // chunk, chunk, *x.shape[2:]).swapaxes(0, 1)
@@ -189,8 +203,8 @@ def cross_entropy_chunked(hidden, head, targets, weights):
         if not with_gradients:
             return jnp.sum(losses * w)
         d_logits = (jnp.exp(logits - top[..., None]) - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)) * w[..., None]
-        d_logits = d_logits.astype(h.dtype)  # as the cast to f32 passes the gradient back
-        d_hidden = jnp.einsum("bsv,vd->bsd", d_logits, head)
+        d_logits = d_logits.astype(jnp.result_type(h, head))  # as the cast to f32 passes the gradient back
+        d_hidden = jnp.einsum("bsv,vd->bsd", d_logits, head).astype(h.dtype)
         d_head = jnp.einsum("bsv,bsd->vd", d_logits, h, preferred_element_type=jnp.float32)
         return jnp.sum(losses * w), d_hidden, d_head
 
