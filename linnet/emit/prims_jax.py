@@ -188,8 +188,12 @@ def cross_entropy_chunked(hidden, head, targets, weights):
     # Under shard_map the rows vary over every axis of the mesh, and a head gathered inside one group of
     # a larger mesh over fewer: the head is made varying over the rest, whose transpose sums its
     # gradient across them (as autodiff would).
-    kind = lambda x: getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())  # noqa: E731
-    missing = tuple(sorted(kind(hidden) - kind(head)))
+    def varying(x):  # the axes x varies over (jax 0.10's name for them; earlier ones called them vma)
+        kind = jax.typeof(x)
+        axes = getattr(getattr(kind, "manual_axis_type", None), "varying", None)
+        return frozenset(getattr(kind, "vma", ()) if axes is None else axes)
+
+    missing = tuple(sorted(varying(hidden) - varying(head)))
     if missing:
         head = jax.lax.pcast(head, missing, to="varying")
 
