@@ -185,14 +185,15 @@ def cross_entropy_chunked(hidden, head, targets, weights):
     batch, seq, width = hidden.shape
     chunk = math.gcd(seq, 1024)
     weights = jax.lax.stop_gradient(weights)
-    # Under shard_map the rows vary over every axis of the mesh, and a head gathered inside one group of
-    # a larger mesh over fewer: the head is made varying over the rest, whose transpose sums its
-    # gradient across them (as autodiff would).
-    def varying(x):  # the axes x varies over (jax 0.10's name for them; earlier ones called them vma)
+
+    def varying(x):  # the shard_map axes x varies over (jax 0.10's name for them; earlier ones said vma)
         kind = jax.typeof(x)
         axes = getattr(getattr(kind, "manual_axis_type", None), "varying", None)
         return frozenset(getattr(kind, "vma", ()) if axes is None else axes)
 
+    # Under shard_map the rows vary over every axis of the mesh, and a head gathered inside one group of
+    # a larger mesh over fewer: the head is made varying over the rest, whose transpose sums its
+    # gradient across them (as autodiff would).
     missing = tuple(sorted(varying(hidden) - varying(head)))
     if missing:
         head = jax.lax.pcast(head, missing, to="varying")
