@@ -6,14 +6,8 @@
 #   bash benchmarks/jax_speed.sh torch CARD [ARGS]    the PyTorch step of the same card (step.py ARGS; needs the
 #                                                     build: bash benchmarks/kernels.sh build)
 # Logs under $OUT; each run's RESULT line is printed.
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
-run() {  # name, then the command; keeps going when one fails
-  local name=$1; shift
-  echo "== $name"; timeout 420 "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"
-  grep -E "^RESULT|Error|error:" "$OUT/$name.log" | cut -c1-700 | tail -20
-}
+RUN_TAIL=20  # a RESULT line a candidate
+source "$(dirname "$0")/stage.sh"
 case "${1:-}" in
   attention)
     shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 8b)

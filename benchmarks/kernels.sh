@@ -8,14 +8,7 @@
 #                                          the unrolled function, caches off: first step, step, peak, and (8B) the
 #                                          memory and un-waited collectives after each step
 # Logs under $OUT; each run's RESULT line is printed.
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
-run() {  # name, then the command; keeps going when one fails
-  local name=$1; shift
-  echo "== $name"; timeout 420 "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"
-  grep -E "^RESULT|Error|error:" "$OUT/$name.log" | cut -c1-600 | tail -3
-}
+source "$(dirname "$0")/stage.sh"
 case "${1:-}" in
   build)  # the extension alone (overlap.sh build also runs the GPU tests)
     CC=/usr/bin/gcc CXX=/usr/bin/g++ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \

@@ -9,14 +9,8 @@
 #   bash benchmarks/overlap.sh hybrid M G [linnet fsdp2]  8B on M machines of G GPUs (360 GB/s inside, 45 GB/s
 #                                          between; issue on machines): hybrid and flat, and with no time
 # Logs under $OUT; each run's RESULT and SIM lines are printed.
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
-run() {  # name, then the command; keeps going when one fails
-  local name=$1; shift
-  echo "== $name"; timeout 420 "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"
-  grep -E "^RESULT|^SIM|Error|error:" "$OUT/$name.log" | cut -c1-600 | tail -3
-}
+RUN_SHOWS="^RESULT|^SIM|Error|error:"
+source "$(dirname "$0")/stage.sh"
 sim() {  # world, bus GB/s, name, script and its arguments
   local world=$1 gbps=$2 name=$3; shift 3
   run "$name" env SIM_WORLD=$world SIM_BUS_GBPS=$gbps LOCAL_RANK=0 python3 benchmarks/sim_world.py "$@"
