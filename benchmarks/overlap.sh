@@ -8,6 +8,8 @@
 #   bash benchmarks/overlap.sh variants   8B at 4 ranks and 360 GB/s: prefetch 2, and a bf16 reduction
 #   bash benchmarks/overlap.sh hybrid M G [linnet fsdp2]  8B on M machines of G GPUs (360 GB/s inside, 45 GB/s
 #                                          between; issue on machines): hybrid and flat, and with no time
+#   bash benchmarks/overlap.sh hybrid-trace M G   Linnet's hybrid step of the same, traced: where the compute
+#                                          stream waits (trace_gaps.py), trace in $OUT/hybrid-M-G/
 # Logs under $OUT; each run's RESULT and SIM lines are printed.
 RUN_SHOWS="^RESULT|^SIM|Error|error:"
 source "$(dirname "$0")/stage.sh"
@@ -50,11 +52,16 @@ case "${1:-}" in
       sim "$world" 360 "$side-8b-flat$world" "${step[@]}"
       echo "$side hybrid exposed: $(python3 benchmarks/sim_world.py --compare "$OUT/$side-8b-$mesh.log" "$OUT/$side-8b-$mesh-inf.log")"
     done ;;
+  hybrid-trace)  # machines, GPUs a machine
+    export SIM_MACHINE_SIZE=$3 SIM_NET_GBPS=45
+    trace="$OUT/hybrid-$2-$3"
+    sim $(( $2 * $3 )) 360 "linnet-8b-$2x$3-traced" benchmarks/step.py --card llama-3.1-8b --steps 8 --mesh "$2x$3" --profile "$trace"
+    python3 benchmarks/trace_gaps.py "$trace/trace.json.gz" --top 25 | tee "$OUT/hybrid-$2-$3-gaps.txt" ;;
   world1)
     shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 3b)
     for shape in "${shapes[@]}"; do
       run "linnet-$shape" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --steps 20
       run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 20
     done ;;
-  *) echo "usage: bash benchmarks/overlap.sh build|sim4|sim8|world1|variants|hybrid MACHINES GPUS [SIDES]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/overlap.sh build|sim4|sim8|world1|variants|hybrid MACHINES GPUS [SIDES]|hybrid-trace MACHINES GPUS"; exit 2 ;;
 esac

@@ -13,7 +13,7 @@ import torch
 from distributed import run
 from test_checkpoint import HALF, halves, join, zero_weight
 from linnet import nest
-from test_fully_shard import EPS, LR, STEPS, card, load, reference, relative_error, rows  # noqa: F401 (card: a fixture)
+from test_fully_shard import EPS, LR, STEPS, card, load, reference, relative_error, rows, untied  # noqa: F401 (fixtures)
 
 
 def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str, prefetch: int,
@@ -47,6 +47,18 @@ def test_a_2d_mesh_trains_as_single_process(card, shape, compile, recompute, pre
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         for name, tensor in weights.items():
             assert relative_error(tensor, expected_weights[name].numpy()) < 1e-5, name
+
+
+@pytest.mark.parametrize("shape, compile", [((2, 2), None), ((2, 2), "inductor"), ((4, 1), None)])
+def test_a_looked_up_embedding_on_a_2d_mesh_trains_as_single_process(untied, shape, compile):
+    """The untied table is looked up, not gathered: its rows' gradients come from every rank, across
+    the replicas too, instead of an all-reduce of its part (held, as the flat lookup's, to 5e-5)."""
+    expected_losses, expected_weights = reference(untied, 4)
+    for losses, weights in run(hybrid_training, 4, untied, shape, compile, "gather", 1, timeout=900 if compile else 300):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        for name, tensor in weights.items():
+            bar = 5e-5 if name == "model.embed_tokens.weight" else 1e-5
+            assert relative_error(tensor, expected_weights[name].numpy()) < bar, name
 
 
 def test_a_bf16_reduction_applies_inside_and_across_machines(card):

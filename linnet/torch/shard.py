@@ -423,17 +423,52 @@ class _DivideGradient(torch.autograd.Function):
         return gradient / ctx.divisor, None
 
 
+class _RowsOfEveryReplica(torch.autograd.Function):
+    """(shard ranks, replicas, tokens, width) rows, this part's for every rank's tokens: in the forward,
+    this replica's summed over the shard group and scattered, each rank its own tokens' rows; in the
+    backward, every rank's rows' gradients gathered, across the replicas (the slow link: one row
+    gradient a token) and then inside the shard group, so that the part's gradient is the sum over
+    every rank's tokens and needs no all-reduce across the replicas (whose buffer is the table's part)."""
+
+    @staticmethod
+    def forward(ctx, rows, group_name, replicate_group_name, replica):
+        ctx.group_name, ctx.replicate_group_name = group_name, replicate_group_name
+        shard_ranks, replicas, tokens, width = rows.shape
+        ctx.shard_ranks, ctx.replicas = shard_ranks, replicas
+        mine = rows[:, replica].reshape(shard_ranks * tokens, width)
+        functional = torch.ops._c10d_functional
+        return functional.wait_tensor(functional.reduce_scatter_tensor(mine, "sum", shard_ranks, group_name))
+
+    @staticmethod
+    def backward(ctx, gradient):
+        functional = torch.ops._c10d_functional
+        across = functional.wait_tensor(functional.all_gather_into_tensor(gradient.contiguous(), ctx.replicas,
+                                                                           ctx.replicate_group_name))
+        every = functional.wait_tensor(functional.all_gather_into_tensor(across, ctx.shard_ranks, ctx.group_name))
+        return every.view(ctx.shard_ranks, ctx.replicas, *gradient.shape), None, None, None
+
+
+def _gather_tokens(sharding: Sharding, tokens: torch.Tensor) -> torch.Tensor:
+    """Every rank's tokens, flat, ordered (shard rank, replica, position): this shard group's alone
+    where there is one replica."""
+    functional, wait = torch.ops._c10d_functional, torch.ops._c10d_functional.wait_tensor
+    flat = tokens.reshape(-1)
+    if sharding.replicas > 1:
+        flat = wait(functional.all_gather_into_tensor(flat, sharding.replicas, sharding.replicate_group_name))
+    return wait(functional.all_gather_into_tensor(flat, sharding.world, sharding.group_name))
+
+
 def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group: str, weight: str) -> torch.Tensor:
     """The rows of a table (the untied embedding) for this rank's tokens, looked up without gathering
     the table: every rank's tokens are gathered (a few KB), each rank takes the rows its part holds,
     zeros elsewhere, and a reduce-scatter sums each rank's rows from all parts (exact: one part holds
     each element). In the backward the rows' gradients are gathered and each rank adds those of its
     own rows into its part's gradient, in f32: a gather of the tokens' rows instead of the table's,
-    and no reduce-scatter of the table's gradient. As every other group's, the part's gradient is
-    that of the mean of the ranks' losses."""
-    functional, wait = torch.ops._c10d_functional, torch.ops._c10d_functional.wait_tensor
-    layout, world, rank = sharding.layouts[group], sharding.world, sharding.rank
-    part = _across_replicas(sharding, part)
+    and no reduce-scatter of the table's gradient. With replicas, the rows of every replica's tokens
+    are looked up too and their gradients gathered from every rank (`_RowsOfEveryReplica`): a
+    token's row crosses the slow link, where an all-reduce would carry the table's part. As every
+    other group's, the part's gradient is that of the mean of the ranks' losses."""
+    layout, world, rank, replicas = sharding.layouts[group], sharding.world, sharding.rank, sharding.replicas
     index = layout.names.index(weight)
     (rows, width), offset = layout.shapes[index], layout.offsets[index]
     start = rank * layout.part_size
@@ -443,13 +478,17 @@ def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group:
     # The part's elements of rows first .. first + count, zeros around them (all zeros where the part
     # holds none of the table); its gradient is the sum over every rank's rows, divided as "avg" divides.
     left, piece = (low - offset - first * width, part[low - start:high - start]) if high > low else (0, part[:0])
-    slab = _DivideGradient.apply(torch.nn.functional.pad(piece, (left, count * width - left - piece.numel())), world)
-    everyone = wait(functional.all_gather_into_tensor(tokens.reshape(-1), world, sharding.group_name)).to(torch.int64)
-    local = everyone - first
+    slab = _DivideGradient.apply(torch.nn.functional.pad(piece, (left, count * width - left - piece.numel())),
+                                 world * replicas)
+    local = _gather_tokens(sharding, tokens).to(torch.int64) - first
     held = ((local >= 0) & (local < count))[:, None]
-    found = (slab.view(count, width)[local.clamp(0, count - 1)] * held).to(sharding.compute_dtype)  # (world x tokens, width)
+    found = (slab.view(count, width)[local.clamp(0, count - 1)] * held).to(sharding.compute_dtype)  # (ranks x tokens, width)
+    if replicas > 1:
+        found = found.view(world, replicas, tokens.numel(), width)
+        mine = _RowsOfEveryReplica.apply(found, sharding.group_name, sharding.replicate_group_name, sharding.replica)
+        return mine.view(*tokens.shape, width)
     mine = torch.ops._c10d_functional_autograd.reduce_scatter_tensor(found, "sum", world, sharding.group_name)
-    return wait(mine).view(*tokens.shape, width)
+    return torch.ops._c10d_functional.wait_tensor(mine).view(*tokens.shape, width)
 
 
 def gathered_weights(model: TorchModel, dtype: torch.dtype):
