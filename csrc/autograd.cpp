@@ -33,10 +33,13 @@ at::Tensor call_reduce_scatter(
     const std::string& reduce_op,
     at::ScalarType reduce_dtype,
     int64_t group_size,
-    const std::string& group_name) {
-  static auto handle = op<at::Tensor(const at::Tensor&, std::string, at::ScalarType, int64_t, std::string)>(
-      "linnet::reduce_scatter");
-  return handle.call(full, reduce_op, reduce_dtype, group_size, group_name);
+    const std::string& group_name,
+    const std::string& replicate_group_name = "",
+    int64_t replicas = 1) {
+  static auto handle =
+      op<at::Tensor(const at::Tensor&, std::string, at::ScalarType, int64_t, std::string, std::string, int64_t)>(
+          "linnet::reduce_scatter");
+  return handle.call(full, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name, replicas);
 }
 
 at::Tensor call_after(const at::Tensor& x, at::TensorList forward_deps, at::TensorList backward_deps) {
@@ -44,28 +47,35 @@ at::Tensor call_after(const at::Tensor& x, at::TensorList forward_deps, at::Tens
   return handle.call(x, forward_deps, backward_deps);
 }
 
-// How a gradient is reduce-scattered into a part: kept by a forward, used by
-// its backward (AllGather's, which waits, and WaitGathered's, which does not).
+// How a gradient is reduce-scattered into a part (and summed across the
+// replicas that hold it): kept by a forward, used by its backward
+// (AllGather's, which waits, and WaitGathered's, which does not).
 void save_reduction(
     AutogradContext* ctx,
     const std::string& reduce_op,
     at::ScalarType reduce_dtype,
     int64_t group_size,
-    const std::string& group_name) {
+    const std::string& group_name,
+    const std::string& replicate_group_name = "",
+    int64_t replicas = 1) {
   ctx->saved_data["reduce_op"] = reduce_op;
   ctx->saved_data["reduce_dtype"] = static_cast<int64_t>(reduce_dtype);
   ctx->saved_data["group_size"] = group_size;
   ctx->saved_data["group_name"] = group_name;
+  ctx->saved_data["replicate_group_name"] = replicate_group_name;
+  ctx->saved_data["replicas"] = replicas;
 }
 
-// Launches the reduce-scatter save_reduction described; the result is f32 and un-waited.
+// Launches the reduction save_reduction described; the result is f32 and un-waited.
 at::Tensor launch_reduction(AutogradContext* ctx, const at::Tensor& grad) {
   return call_reduce_scatter(
       grad.contiguous(),
       ctx->saved_data["reduce_op"].toStringRef(),
       static_cast<at::ScalarType>(ctx->saved_data["reduce_dtype"].toInt()),
       ctx->saved_data["group_size"].toInt(),
-      ctx->saved_data["group_name"].toStringRef());
+      ctx->saved_data["group_name"].toStringRef(),
+      ctx->saved_data["replicate_group_name"].toStringRef(),
+      ctx->saved_data["replicas"].toInt());
 }
 
 class Flatten : public torch::autograd::Function<Flatten> {
@@ -195,18 +205,23 @@ class WaitGathered : public torch::autograd::Function<WaitGathered> {
       const std::string& reduce_op,
       at::ScalarType reduce_dtype,
       int64_t group_size,
-      const std::string& group_name) {
+      const std::string& group_name,
+      const std::string& replicate_group_name,
+      int64_t replicas) {
     TORCH_CHECK(
         part.scalar_type() == at::kFloat,
         "wait_gathered: the part must be float32 (its gradient is handed on un-waited, so it cannot be cast), got ",
         part.scalar_type());
-    save_reduction(ctx, reduce_op, reduce_dtype, group_size, group_name);
+    save_reduction(ctx, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name, replicas);
     // Below autograd this is _c10d_functional::wait_tensor, which compilers know.
-    return wait_gathered(gathered, part, reduce_op, reduce_dtype, group_size, group_name);
+    return wait_gathered(
+        gathered, part, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name, replicas);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {at::Tensor(), launch_reduction(ctx, grads[0]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    variable_list result = {at::Tensor(), launch_reduction(ctx, grads[0])};
+    result.resize(8);  // the settings take no gradient
+    return result;
   }
 };
 
@@ -277,7 +292,19 @@ TORCH_LIBRARY_IMPL(linnet, Autograd, m) {
          std::string reduce_op,
          at::ScalarType reduce_dtype,
          int64_t group_size,
-         std::string group_name) {
+         std::string group_name,
+         std::string replicate_group_name,
+         int64_t replicas) {
+        if (replicas > 1) {  // a gradient's reduction (WaitGathered's backward launches it), not differentiated
+          TORCH_CHECK(
+              !full.requires_grad(),
+              "reduce_scatter: no gradient through a reduction across replicas (replicas = ",
+              replicas,
+              ")");
+          at::AutoDispatchBelowADInplaceOrView guard;
+          return linnet::call_reduce_scatter(
+              full, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name, replicas);
+        }
         return linnet::ReduceScatter::apply(full, reduce_op, reduce_dtype, group_size, group_name);
       });
   m.impl(
@@ -293,7 +320,10 @@ TORCH_LIBRARY_IMPL(linnet, Autograd, m) {
          std::string reduce_op,
          at::ScalarType reduce_dtype,
          int64_t group_size,
-         std::string group_name) {
-        return linnet::WaitGathered::apply(gathered, part, reduce_op, reduce_dtype, group_size, group_name);
+         std::string group_name,
+         std::string replicate_group_name,
+         int64_t replicas) {
+        return linnet::WaitGathered::apply(
+            gathered, part, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name, replicas);
       });
 }

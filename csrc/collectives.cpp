@@ -3,6 +3,8 @@
 // by name, launch, register the work against the output and return it
 // un-waited; `wait` (here, and _c10d_functional::wait_tensor) waits.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -39,13 +41,48 @@ WorkPtr reduce_scatter_sum(at::Tensor& output, at::Tensor& input, const GroupPtr
   return std::get<1>(op.call(output, input, group, sum, /*async_op=*/true, /*timeout=*/-1));
 }
 
-// The work of a reduction done in a narrower dtype than its result: waiting
-// for it waits for the collective, then casts into the result on the waiting
-// (current) stream, so that the result is never read before it is complete.
-class CastWhenDone : public c10d::Work {
+WorkPtr allreduce_sum(at::Tensor& tensor, const GroupPtr& group) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("c10d::allreduce_", "")
+                       .typed<std::tuple<std::vector<at::Tensor>, WorkPtr>(
+                           at::TensorList,
+                           const GroupPtr&,
+                           const c10::intrusive_ptr<c10d::ReduceOp>&,
+                           const std::optional<at::Tensor>&,
+                           bool,
+                           int64_t)>();
+  auto sum = c10::make_intrusive<c10d::ReduceOp>(c10d::ReduceOp::SUM);
+  return std::get<1>(op.call({tensor}, group, sum, std::nullopt, /*async_op=*/true, /*timeout=*/-1));
+}
+
+// Launches `second` (a collective reading what `first` writes) once `first` is
+// done, without holding up the caller's stream: on a side stream of the device
+// that waits for `first`, so that the second starts when the first ends rather
+// than where the caller next waits. On the CPU, where waiting blocks, it waits.
+template <typename Launch>
+WorkPtr launch_when_done(const WorkPtr& first, const at::Device& device, Launch second) {
+  if (device.is_cpu()) {
+    first->wait();
+    return second();
+  }
+  c10::impl::VirtualGuardImpl guard_impl(device.type());
+  c10::StreamGuard on_side(guard_impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true));
+  first->wait();  // the side stream waits; the caller's does not
+  return second();
+}
+
+// The work of a reduction that ends with `collective`: waiting for it waits
+// for that; where the reduction ran in a narrower dtype than its result, it
+// then casts into the result on the waiting (current) stream, so that the
+// result is never read before it is complete. `keep` (buffers the reduction
+// reads, whose collective no caller's stream waits for) lives until then.
+class WhenDone : public c10d::Work {
  public:
-  CastWhenDone(WorkPtr collective, at::Tensor reduced, at::Tensor result)
-      : collective_(std::move(collective)), reduced_(std::move(reduced)), result_(std::move(result)) {}
+  WhenDone(WorkPtr collective, std::vector<at::Tensor> keep, at::Tensor reduced, at::Tensor result)
+      : collective_(std::move(collective)),
+        keep_(std::move(keep)),
+        reduced_(std::move(reduced)),
+        result_(std::move(result)) {}
 
   bool wait(std::chrono::milliseconds timeout) override {
     bool done = collective_->wait(timeout);
@@ -53,6 +90,7 @@ class CastWhenDone : public c10d::Work {
       result_.copy_(reduced_);
       reduced_.reset();
     }
+    keep_.clear();
     return done;
   }
 
@@ -62,6 +100,7 @@ class CastWhenDone : public c10d::Work {
 
  private:
   WorkPtr collective_;
+  std::vector<at::Tensor> keep_;
   at::Tensor reduced_;
   at::Tensor result_;
 };
@@ -118,9 +157,12 @@ at::Tensor reduce_scatter(
     at::ScalarType reduce_dtype,
     int64_t group_size,
     const std::string& group_name,
+    const std::string& replicate_group_name,
+    int64_t replicas,
     CopyCastPad copy) {
   TORCH_CHECK(full.dim() == 1, "reduce_scatter: expected a 1-D tensor, got shape ", full.sizes());
   TORCH_CHECK(group_size >= 1, "reduce_scatter: expected group_size >= 1, got ", group_size);
+  TORCH_CHECK(replicas >= 1, "reduce_scatter: expected replicas >= 1, got ", replicas);
   check_floating(full, "reduce_scatter", "a tensor");
   TORCH_CHECK(
       full.numel() % group_size == 0,
@@ -139,24 +181,41 @@ at::Tensor reduce_scatter(
       reduce_dtype);
   // avg scales each rank's contribution before a sum: one code path for
   // every backend (Gloo lacks AVG), fused into the cast.
-  double scale = reduce_op == "avg" ? 1.0 / static_cast<double>(group_size) : 1.0;
+  double scale = reduce_op == "avg" ? 1.0 / static_cast<double>(group_size * replicas) : 1.0;
   at::Tensor part = at::empty({full.numel() / group_size}, full.options().dtype(at::kFloat));
-  if (group_size == 1) {
+  if (group_size == 1 && replicas == 1) {
     copy(full, part, scale);
     return part;
   }
-  GroupPtr group = resolve_group("reduce_scatter", group_name, group_size);
-  // Always a buffer of our own: the caller (or inductor, which reuses dead
-  // buffers by name) may free or overwrite `full` as soon as this returns.
-  at::Tensor input = at::empty({full.numel()}, full.options().dtype(reduce_dtype));
-  copy(full, input, scale);
-  if (reduce_dtype == at::kFloat) {
-    c10d::register_work(part, reduce_scatter_sum(part, input, group));
+  bool narrow = reduce_dtype != at::kFloat;
+  at::Tensor reduced = narrow ? at::empty({part.numel()}, full.options().dtype(reduce_dtype)) : part;
+  WorkPtr work;
+  std::vector<at::Tensor> keep;
+  if (group_size == 1) {
+    copy(full, reduced, scale);
+  } else {
+    GroupPtr group = resolve_group("reduce_scatter", group_name, group_size);
+    // Always a buffer of our own: the caller (or inductor, which reuses dead
+    // buffers by name) may free or overwrite `full` as soon as this returns.
+    at::Tensor input = at::empty({full.numel()}, full.options().dtype(reduce_dtype));
+    copy(full, input, scale);
+    work = reduce_scatter_sum(reduced, input, group);
+    keep.push_back(input);
+  }
+  if (replicas > 1) {
+    // Across the replicas (hybrid sharding), each holding this part: summed
+    // as soon as the reduce-scatter inside the shard group ends.
+    GroupPtr replicate = resolve_group("reduce_scatter", replicate_group_name, replicas);
+    auto across = [&] { return allreduce_sum(reduced, replicate); };
+    work = work ? launch_when_done(work, full.device(), across) : across();
+  } else if (!narrow) {
+    c10d::register_work(part, work);
     return part;
   }
-  at::Tensor reduced = at::empty({part.numel()}, input.options());
-  WorkPtr work = reduce_scatter_sum(reduced, input, group);
-  c10d::register_work(part, c10::make_intrusive<CastWhenDone>(std::move(work), std::move(reduced), part));
+  c10d::register_work(
+      part,
+      c10::make_intrusive<WhenDone>(
+          std::move(work), std::move(keep), narrow ? reduced : at::Tensor(), narrow ? part : at::Tensor()));
   return part;
 }
 
@@ -166,7 +225,9 @@ at::Tensor wait_gathered(
     std::string /*reduce_op*/,
     at::ScalarType /*reduce_dtype*/,
     int64_t group_size,
-    std::string /*group_name*/) {
+    std::string /*group_name*/,
+    std::string /*replicate_group_name*/,
+    int64_t /*replicas*/) {
   TORCH_CHECK(
       gathered.dim() == 1 && part.dim() == 1 && gathered.numel() == part.numel() * group_size,
       "wait_gathered: expected a gathered buffer of group_size (",

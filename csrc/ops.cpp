@@ -102,7 +102,7 @@ TORCH_LIBRARY(linnet, m) {
       collective_tags);
   m.def(
       "reduce_scatter(Tensor full, str reduce_op, ScalarType reduce_dtype, int group_size, "
-      "str group_name) -> Tensor",
+      "str group_name, str replicate_group_name=\"\", int replicas=1) -> Tensor",
       collective_tags);
   m.def(
       "after(Tensor x, Tensor[] forward_deps, Tensor[] backward_deps) -> Tensor",
@@ -117,7 +117,7 @@ TORCH_LIBRARY(linnet, m) {
   // handed on un-waited (the caller waits for it, as late as it can).
   m.def(
       "wait_gathered(Tensor gathered, Tensor part, str reduce_op, ScalarType reduce_dtype, int group_size, "
-      "str group_name) -> Tensor",
+      "str group_name, str replicate_group_name=\"\", int replicas=1) -> Tensor",
       torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::wait_gathered),
       tags);
 }

@@ -30,15 +30,19 @@ std::tuple<at::Tensor, at::Tensor> all_gather(
     CopyCastPad copy);
 // Launches the reduce-scatter of `full` in `reduce_dtype` and returns this
 // rank's part in f32, valid once waited (a narrower reduction is cast when
-// waited for). The collective reads
-// only a buffer this call allocates, so nothing the caller frees or reuses
-// can be in flight.
+// waited for). With replicas > 1 (hybrid sharding), the part is then summed
+// across the replicate group, launched as soon as the reduce-scatter ends
+// (a side stream waits for it); "avg" averages over every rank of both.
+// The collectives read only buffers this call allocates, so nothing the
+// caller frees or reuses can be in flight.
 at::Tensor reduce_scatter(
     const at::Tensor& full,
     const std::string& reduce_op,
     at::ScalarType reduce_dtype,
     int64_t group_size,
     const std::string& group_name,
+    const std::string& replicate_group_name,
+    int64_t replicas,
     CopyCastPad copy);
 
 // Returns `tensor` once the collective that produces it has finished (the
@@ -54,7 +58,9 @@ at::Tensor wait_gathered(
     std::string reduce_op,
     at::ScalarType reduce_dtype,
     int64_t group_size,
-    std::string group_name);
+    std::string group_name,
+    std::string replicate_group_name,
+    int64_t replicas);
 
 // A copy of `x`, made once every tensor of forward_deps exists; its gradient
 // is a copy of the incoming gradient, made once every tensor of
@@ -98,8 +104,11 @@ void register_kernels(torch::Library& m) {
          std::string reduce_op,
          at::ScalarType reduce_dtype,
          int64_t group_size,
-         std::string group_name) {
-        return reduce_scatter(full, reduce_op, reduce_dtype, group_size, group_name, copy);
+         std::string group_name,
+         std::string replicate_group_name,
+         int64_t replicas) {
+        return reduce_scatter(
+            full, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name, replicas, copy);
       });
 }
 

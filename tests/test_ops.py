@@ -306,6 +306,46 @@ def test_collectives_match_reference(world):
     run(_collectives, world)
 
 
+def _across_replicas(rank: int, world: int, shape: tuple[int, int]) -> None:
+    """reduce_scatter with replicas (a ("replicate", "shard") mesh): this rank's part of every rank's
+    tensor, summed or averaged over the shard group and across the replicas; in bf16 too; a shard
+    group of one rank (replicas only); what it reads is its own, as without replicas."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+    replicas, shards = shape
+    shard_rank = dist.get_rank(shard)
+    part_size = 7
+    fulls = [_random(part_size * shards, 70 + r) for r in range(world)]
+    total = sum(fulls)[shard_rank * part_size:(shard_rank + 1) * part_size]
+    for reduce_op in ("sum", "avg"):
+        for reduce_dtype in (torch.float32, torch.bfloat16):
+            full = fulls[rank].clone()
+            reduced = ops.reduce_scatter(full, reduce_op, reduce_dtype, shards, shard.group_name,
+                                         replicate.group_name, replicas)
+            full.fill_(float("nan"))
+            reduced = ops.wait(reduced)
+            assert reduced.dtype == torch.float32 and reduced.shape == (part_size,)
+            expected = total / world if reduce_op == "avg" else total
+            if reduce_dtype == torch.bfloat16:
+                torch.testing.assert_close(reduced, expected, rtol=2e-2, atol=2e-2)
+            else:
+                torch.testing.assert_close(reduced, expected)
+    with pytest.raises(RuntimeError, match="no gradient through a reduction across replicas"):
+        ops.reduce_scatter(fulls[rank].clone().requires_grad_(), "sum", torch.float32, shards, shard.group_name,
+                           replicate.group_name, replicas)
+    with pytest.raises(RuntimeError, match=f"group_size is {replicas + 1} but the process group"):
+        ops.reduce_scatter(fulls[rank].clone(), "sum", torch.float32, shards, shard.group_name, replicate.group_name,
+                           replicas + 1)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 1), (3, 1)])
+def test_a_reduction_goes_on_across_replicas(shape):
+    run(_across_replicas, shape[0] * shape[1], shape)
+
+
 def _collectives_opcheck(rank: int, world: int) -> None:
     # At world 1 the ops run no collective, so every check applies. Above it,
     # an op's output is in flight until waited, and opcheck's AOT dispatch test

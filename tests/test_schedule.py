@@ -190,21 +190,23 @@ def test_on_one_rank_a_gather_is_a_cast_made_once(card):
 
 
 def test_with_replicas_each_all_reduce_runs_under_the_layers_below(card):
-    """Hybrid sharding, 2 replicas of 2 shards: a part's average across the replicas is launched where
-    its reduce-scatter is waited for, and waited for only where the backward ends, so each runs under
-    the backward of the layers below it (but the two lowest layers': with prefetch 1 their reduce-scatters
-    are waited for once every layer has its gradient)."""
+    """Hybrid sharding, 2 replicas of 2 shards: each part's reduce-scatter carries the sum across the
+    replicas that follows it (launched by the op when the reduce-scatter ends), and is waited for only
+    where the backward ends, after the looked-up embedding's gradient, so each runs under the backward
+    of the layers below it. The embedding's part is not all-reduced: its rows' gradients are gathered
+    across the replicas, then inside the shard group."""
     _, backward, gathered_size, part_size, *_ = run(generated_code, 1, card, 1, 4, (2, 2), timeout=600)[0]
     lines = backward.splitlines()
-    launches = [(n, m.group(1)) for n, line in enumerate(lines)  # inductor reduces in place, into the argument
-                if (m := re.search(r"_c10d_functional\.all_reduce_?\.default\((buf\d+),", line))]
+    assert "_c10d_functional.all_reduce" not in backward
     code = parse(backward, gathered_size, part_size)
-    # From the top: the head's part, the layers' from the last down; then the looked-up embedding's,
-    # whose rows' gradient is summed and averaged at once where the backward ends.
-    assert len(launches) == LAYERS + 2
-    launches = launches[:LAYERS + 1]
-    waits = [code.wait(buffer) for _, buffer in launches]
-    assert min(waits) > max(line for line, _ in launches)  # every wait after the last launch
+    reductions = [(n, line) for n, line in enumerate(lines) if "= torch.ops.linnet.reduce_scatter.default(" in line]
+    assert len(reductions) == LAYERS + 1  # the layers' and the head's
+    for _, line in reductions:  # (full, op, dtype, shard ranks, shard group, replicate group, replicas)
+        assert re.search(r"reduce_scatter\.default\(\w+, 'avg', torch\.float32, 2, '\w+', '\w+', 2\)", line), line
+    rows = [n for n, line in enumerate(lines) if "_c10d_functional.all_gather_into_tensor.default(" in line]
+    assert len(rows) == 2  # the rows' gradients: across the replicas, then inside the shard group
+    waits = [code.wait(_result(lines, n)[0]) for n, _ in reductions]
+    assert min(waits) > max(rows) > max(n for n, _ in reductions)  # every wait after the embedding's backward
     matmuls = [n for n, line in enumerate(lines) if re.search(r"extern_kernels\.b?mm\(", line)]
-    for line, _ in launches[:-2]:  # layer 1's is launched after layer 0's gradient (its hold is a layer ahead)
-        assert any(line < matmul < min(waits) for matmul in matmuls), "an all-reduce with no compute under it"
+    for line, _ in reductions[:-1]:  # all but the lowest layer's: a layer's backward below it
+        assert any(line < matmul < min(waits) for matmul in matmuls), "a reduction with no compute under it"

@@ -34,14 +34,15 @@ for under the last layer's backward instead of at once.
 
 With replicas (hybrid sharding: each part held by one rank of every
 machine), a part's gradient, reduce-scattered inside the machine, is then
-averaged across the replicas: `hold` launches that all-reduce where it waits
-for the reduce-scatter, and
+summed across the replicas by an all-reduce that the reduce-scatter's launch
+chains to its end (a side stream waits for it), and
 
-    parts = across_replicas(parts)
+    parts = across_replicas(params['layers'])
 
-(before the loop, so that its backward comes last) waits for every part's
-all-reduce where the backward ends: each runs under the backward of the
-layers below.
+(the first line of the function that holds the loop, so that its backward
+comes last, after the embedding's) waits for every part's all-reduce where
+the backward ends: each runs under the backward of the layers below, and
+`hold` hands the gradient on without waiting.
 
 The functions the lines call (hold, launch_gather, wait_gather, launch_of,
 after, across_replicas) are bound by linnet/torch/shard.py."""
@@ -80,6 +81,20 @@ class Schedule:
                 f"backward layer i - {d}'s while layer i's gradient is computed; a layer's reduce-scatter",
                 f"runs under the {below} backward. The last {d + 1} layers keep their gathers for the backward."]
 
+    def replica_waits(self, *, layers: str, indent: str, then: tuple[str, str] | None = None) -> list[str]:
+        """With replicas, the first lines of the function that holds the layer loop: each part's
+        gradient waited for where the backward ends, after every other gradient of the function
+        (the embedding's among them), since autograd reaches what was made first last. `then`'s
+        group is put back into params, the caller's copy (as the loop puts its launch there)."""
+        if self.replicas == 1 or not self.communicates:
+            return []
+        return [
+            f"{indent}# Across the {self.replicas} replicas: each layer's gradient is summed as soon as its",
+            f"{indent}# reduce-scatter ends, and waited for where the backward ends.",
+            f"{indent}parts = across_replicas({layers})  # the layer loop's",
+            *([f"{indent}params[{then[0]!r}] = across_replicas(params[{then[0]!r}])"] if then is not None and self.prefetch > 0 else []),
+        ]
+
     def layer_loop(self, *, layers: str, group: str, loop_var: str, carried: str, body: list[str], indent: str,
                    then: tuple[str, str] | None = None) -> list[str]:
         """The lines of `for loop_var in layers: carried = ...body...`, with the gathers scheduled.
@@ -92,15 +107,8 @@ class Schedule:
         keep = f", keep=i + {d} >= len(parts) - {d + 1}" if d > 0 else ""
         lines = [
             *(f"{indent}# {line}" for line in self._explained()),
-            f"{indent}parts = {layers}",
+            *([f"{indent}parts = {layers}"] if self.replicas == 1 else []),  # else made by replica_waits
         ]
-        if self.replicas > 1:
-            lines += [
-                f"{indent}# Across the {self.replicas} replicas: each part's gradient is all-reduced as soon as its",
-                f"{indent}# reduce-scatter is waited for, and waited for where the backward ends.",
-                f"{indent}parts = across_replicas(parts)",
-                *([f"{indent}params[{then[0]!r}] = across_replicas(params[{then[0]!r}])"] if then is not None and d > 0 else []),
-            ]
         lines += [
             f"{indent}gathers = []",
             f"{indent}for i in range(-{d}, len(parts)):",

@@ -271,6 +271,10 @@ class _Writer:
                              "  # read by several functions: gathered once")
             if any(g.name in reached for g in self.then.values()) and len(lines) == 1:
                 lines.append("    params = {**params}  # a copy, which the layer loop puts its launch of the next group in")
+        for loop in (s for s in function.body if isinstance(s, ast.For) and self.schedule is not None):
+            then = self.then.get(function.name)
+            lines += self.schedule.replica_waits(layers=f"params[{self.program.groups[loop.iter.id].key!r}]",
+                                                 indent="    ", then=then and (then.key, then.name))
         lines += self.block(function.body, function, {}, fetched=set(), indent="    ")
         return lines
 

@@ -65,18 +65,24 @@ def all_gather(part: torch.Tensor, dtype: torch.dtype, group_size: int, group_na
 
 
 def reduce_scatter(full: torch.Tensor, reduce_op: str, reduce_dtype: torch.dtype, group_size: int,
-                   group_name: str) -> torch.Tensor:
+                   group_name: str, replicate_group_name: str = "", replicas: int = 1) -> torch.Tensor:
     """Launches the reduce-scatter of `full` in `reduce_dtype` (bf16 halves the bytes): this rank's
-    part summed ("sum") or averaged ("avg") over ranks, returned in f32; call `wait` before reading it."""
-    return _ops.reduce_scatter(full, reduce_op, reduce_dtype, group_size, group_name)
+    part summed ("sum") or averaged ("avg") over ranks, returned in f32; call `wait` before reading it.
+    With replicas > 1 (hybrid sharding: the ranks of `replicate_group_name` hold the same part), the
+    part is then summed across them too, launched as soon as the reduce-scatter ends (on a side
+    stream that waits for it: the caller's stream does not), and "avg" averages over every rank of
+    both groups. Not differentiable then."""
+    return _ops.reduce_scatter(full, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name, replicas)
 
 
 def wait_gathered(gathered: torch.Tensor, part: torch.Tensor, reduce_op: str, reduce_dtype: torch.dtype,
-                  group_size: int, group_name: str) -> torch.Tensor:
+                  group_size: int, group_name: str, replicate_group_name: str = "", replicas: int = 1) -> torch.Tensor:
     """`gathered` (launched by `all_gather` from `part` detached) once its gather is done. The
-    gradient of the result is reduce-scattered into `part` where the backward reaches this wait,
-    and handed on UN-WAITED: the caller must `wait` for the part's gradient before it is read."""
-    return _ops.wait_gathered(gathered, part, reduce_op, reduce_dtype, group_size, group_name)
+    gradient of the result is reduce-scattered into `part` where the backward reaches this wait
+    (and summed across the replicas, as `reduce_scatter` does), and handed on UN-WAITED: the
+    caller must `wait` for the part's gradient before it is read."""
+    return _ops.wait_gathered(gathered, part, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name,
+                              replicas)
 
 
 def after(x: torch.Tensor, forward_deps: Sequence[torch.Tensor], backward_deps: Sequence[torch.Tensor] = ()) -> torch.Tensor:
@@ -121,12 +127,12 @@ def _(part, dtype, group_size, group_name, reduce_op="sum", reduce_dtype=None):
 
 
 @torch.library.register_fake("linnet::reduce_scatter")
-def _(full, reduce_op, reduce_dtype, group_size, group_name):
+def _(full, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name="", replicas=1):
     return full.new_empty(full.numel() // group_size, dtype=torch.float32)
 
 
 @torch.library.register_fake("linnet::wait_gathered")
-def _(gathered, part, reduce_op, reduce_dtype, group_size, group_name):
+def _(gathered, part, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name="", replicas=1):
     return torch.empty_like(gathered)
 
 

@@ -104,8 +104,9 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     of two, named ("replicate", "shard") (init_device_mesh(..., (machines, gpus_per_machine),
     mesh_dim_names=("replicate", "shard"))), the weights are sharded inside each "shard" group and
     each replica holds the same parts: a part's gradient is reduce-scattered inside its shard group,
-    then averaged across the replicas (compiled: an all-reduce launched where the reduce-scatter is
-    waited for and waited for where the backward ends, under the layers below; eager: at once).
+    then averaged across the replicas (compiled: an all-reduce launched when the reduce-scatter ends
+    and waited for where the backward ends, under the layers below; eager: at once). An untied
+    embedding's part is not all-reduced: its rows' gradients are gathered from every rank.
 
     recompute: "gather" keeps each layer's activations and gathers its weights
     again in the backward; "matmuls" keeps only the outputs of its matrix
@@ -324,26 +325,20 @@ class Pending(NamedTuple):
 
 class _Hold(torch.autograd.Function):
     """(x, part), passed through; in the backward, the part's gradient (arriving un-waited from
-    the reduce-scatter that `wait_gathered` launched) is waited for as x's gradient passes. With
-    replicas, its average across them is launched there too, and handed on un-waited in f32 to
-    `across_replicas`, which waits where the backward ends; in bf16 it is waited for at once (a
-    gradient must reach autograd in its part's dtype, and casting it would read it un-waited)."""
+    the reduction that `wait_gathered` launched) is waited for as x's gradient passes. With
+    replicas, that reduction goes on across them (launched when the reduce-scatter ends): the
+    gradient is handed on un-waited to `across_replicas`, which waits where the backward ends."""
 
     @staticmethod
-    def forward(ctx, x, part, replicate_group_name, replicas, reduce_dtype):
-        ctx.replicate_group_name, ctx.replicas, ctx.reduce_dtype = replicate_group_name, replicas, reduce_dtype
+    def forward(ctx, x, part, replicas):
+        ctx.replicas = replicas
         return x.view_as(x), part.view_as(part)
 
     @staticmethod
     def backward(ctx, x_gradient, part_gradient):
-        if part_gradient is None:
-            return x_gradient, None, None, None, None
-        gradient = ops.wait(part_gradient)
-        if ctx.replicas > 1:
-            averaged = _launch_average(gradient, ctx.replicate_group_name, ctx.replicas, ctx.reduce_dtype)
-            same_dtype = ctx.reduce_dtype == gradient.dtype
-            gradient = averaged if same_dtype else torch.ops._c10d_functional.wait_tensor(averaged).to(gradient.dtype)
-        return x_gradient, gradient, None, None, None
+        if part_gradient is not None and ctx.replicas == 1:
+            part_gradient = ops.wait(part_gradient)
+        return x_gradient, part_gradient, None
 
 
 class _WaitAcrossReplicas(torch.autograd.Function):
@@ -363,7 +358,7 @@ def _hold(sharding: Sharding, x: torch.Tensor, part: torch.Tensor) -> tuple[torc
     """Compiled: (x, part) held for the backward (eager code waits where it gathers)."""
     if not torch.compiler.is_compiling():
         return x, part
-    return _Hold.apply(x, part, sharding.replicate_group_name, sharding.replicas, sharding.reduce_dtype)
+    return _Hold.apply(x, part, sharding.replicas)
 
 
 def _wait_across_replicas(sharding: Sharding, parts):
@@ -397,7 +392,7 @@ def _wait_gather(sharding: Sharding, launched: Launched | Pending, group: str) -
     if isinstance(launched, Pending):
         return _gather(sharding, launched.part, group)
     full = ops.wait_gathered(launched.gathered, launched.part, "avg", sharding.reduce_dtype, sharding.world,
-                             sharding.group_name)
+                             sharding.group_name, sharding.replicate_group_name or "", sharding.replicas)
     return _views(sharding, full, group)
 
 
