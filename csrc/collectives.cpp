@@ -58,31 +58,32 @@ WorkPtr allreduce_sum(at::Tensor& tensor, const GroupPtr& group) {
 // Launches `second` (a collective reading what `first` writes) once `first` is
 // done, without holding up the caller's stream: on a side stream of the device
 // that waits for `first`, so that the second starts when the first ends rather
-// than where the caller next waits. On the CPU, where waiting blocks, it waits.
+// than where the caller next waits. `first_reads` (what the first collective
+// reads) is recorded on the side stream: the allocator reuses its memory only
+// once the first has ended, which no stream of the caller's waits for. On the
+// CPU, where waiting blocks, it waits.
 template <typename Launch>
-WorkPtr launch_when_done(const WorkPtr& first, const at::Device& device, Launch second) {
+WorkPtr launch_when_done(const WorkPtr& first, const at::Tensor& first_reads, Launch second) {
+  const at::Device device = first_reads.device();
   if (device.is_cpu()) {
     first->wait();
     return second();
   }
   c10::impl::VirtualGuardImpl guard_impl(device.type());
-  c10::StreamGuard on_side(guard_impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true));
+  c10::Stream side = guard_impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+  c10::StreamGuard on_side(side);
   first->wait();  // the side stream waits; the caller's does not
+  guard_impl.recordDataPtrOnStream(first_reads.storage().data_ptr(), side);
   return second();
 }
 
-// The work of a reduction that ends with `collective`: waiting for it waits
-// for that; where the reduction ran in a narrower dtype than its result, it
-// then casts into the result on the waiting (current) stream, so that the
-// result is never read before it is complete. `keep` (buffers the reduction
-// reads, whose collective no caller's stream waits for) lives until then.
-class WhenDone : public c10d::Work {
+// The work of a reduction done in a narrower dtype than its result: waiting
+// for it waits for the collective, then casts into the result on the waiting
+// (current) stream, so that the result is never read before it is complete.
+class CastWhenDone : public c10d::Work {
  public:
-  WhenDone(WorkPtr collective, std::vector<at::Tensor> keep, at::Tensor reduced, at::Tensor result)
-      : collective_(std::move(collective)),
-        keep_(std::move(keep)),
-        reduced_(std::move(reduced)),
-        result_(std::move(result)) {}
+  CastWhenDone(WorkPtr collective, at::Tensor reduced, at::Tensor result)
+      : collective_(std::move(collective)), reduced_(std::move(reduced)), result_(std::move(result)) {}
 
   bool wait(std::chrono::milliseconds timeout) override {
     bool done = collective_->wait(timeout);
@@ -90,7 +91,6 @@ class WhenDone : public c10d::Work {
       result_.copy_(reduced_);
       reduced_.reset();
     }
-    keep_.clear();
     return done;
   }
 
@@ -100,7 +100,6 @@ class WhenDone : public c10d::Work {
 
  private:
   WorkPtr collective_;
-  std::vector<at::Tensor> keep_;
   at::Tensor reduced_;
   at::Tensor result_;
 };
@@ -190,32 +189,28 @@ at::Tensor reduce_scatter(
   bool narrow = reduce_dtype != at::kFloat;
   at::Tensor reduced = narrow ? at::empty({part.numel()}, full.options().dtype(reduce_dtype)) : part;
   WorkPtr work;
-  std::vector<at::Tensor> keep;
+  at::Tensor input;
   if (group_size == 1) {
     copy(full, reduced, scale);
   } else {
     GroupPtr group = resolve_group("reduce_scatter", group_name, group_size);
     // Always a buffer of our own: the caller (or inductor, which reuses dead
     // buffers by name) may free or overwrite `full` as soon as this returns.
-    at::Tensor input = at::empty({full.numel()}, full.options().dtype(reduce_dtype));
+    input = at::empty({full.numel()}, full.options().dtype(reduce_dtype));
     copy(full, input, scale);
     work = reduce_scatter_sum(reduced, input, group);
-    keep.push_back(input);
   }
   if (replicas > 1) {
     // Across the replicas (hybrid sharding), each holding this part: summed
     // as soon as the reduce-scatter inside the shard group ends.
     GroupPtr replicate = resolve_group("reduce_scatter", replicate_group_name, replicas);
     auto across = [&] { return allreduce_sum(reduced, replicate); };
-    work = work ? launch_when_done(work, full.device(), across) : across();
-  } else if (!narrow) {
-    c10d::register_work(part, work);
-    return part;
+    work = work ? launch_when_done(work, input, across) : across();
   }
-  c10d::register_work(
-      part,
-      c10::make_intrusive<WhenDone>(
-          std::move(work), std::move(keep), narrow ? reduced : at::Tensor(), narrow ? part : at::Tensor()));
+  if (narrow) {
+    work = c10::make_intrusive<CastWhenDone>(std::move(work), reduced, part);
+  }
+  c10d::register_work(part, work);
   return part;
 }
 
