@@ -7,7 +7,10 @@ tokens/s, peak memory.
 """
 
 import argparse
+import glob
 import json
+import os
+import shutil
 import statistics
 import time
 
@@ -29,6 +32,8 @@ parser.add_argument("--no-remat", dest="remat", action="store_false")
 parser.add_argument("--scan", action="store_true", help="run the layers by lax.scan over one stacked array (train's scan_layers)")
 parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
                     "of one document a row")
+parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (jax.profiler, with a Perfetto "
+                    "trace: FOLDER/perfetto_trace.json.gz, which benchmarks/trace_gaps.py reads)")
 parser.add_argument("--init", help="start from this Hugging Face checkpoint folder (benchmarks/shared_start.py)")
 parser.add_argument("--rows", help="train on this .npz of rows (device d takes rows d, d + D, ...)")
 parser.add_argument("--held-out", help="report the held-out loss over this .npz of rows before and after training")
@@ -43,9 +48,20 @@ count, seq = parameters(model), args.tokens
 held_out = load_rows(args.held_out) if args.held_out else None
 loss_start = evaluate(model, held_out) if held_out else None
 rows = load_rows(args.rows) if args.rows else random_rows(0, seq, model.checked.dims["Vocab"], packed=args.packed)
+
+
+def on_step(s):
+    print(f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True)
+    if args.profile and s.step == args.steps - 2:  # the last two steps
+        jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+
+
 _, history = train(model, iter(rows), optimizer=optax.adamw(1e-5, weight_decay=0.0), steps=args.steps,
-                   mesh=mesh, remat=args.remat, scan_layers=args.scan,
-                   on_step=lambda s: print(f"step {s.step} loss {s.loss:.3f} {s.seconds:.3f}s", flush=True))
+                   mesh=mesh, remat=args.remat, scan_layers=args.scan, on_step=on_step)
+if args.profile:
+    jax.profiler.stop_trace()
+    for found in glob.glob(os.path.join(args.profile, "**", "perfetto_trace.json.gz"), recursive=True):
+        shutil.copy(found, os.path.join(args.profile, "perfetto_trace.json.gz"))
 loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices())

@@ -363,11 +363,16 @@ def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool,
 # moves the next iteration's all-gather (and the previous one's reduce-scatter) of a `lax.scan` under this
 # iteration's compute; double buffering unrolls the loop by two so that the moved collectives have their
 # own buffers. No combine thresholds: a layer's weights are already one flat buffer, one collective.
+# Conditionals in command buffers (CUDA graphs' conditional nodes): the fast attention's `lax.switch` on the
+# rows' document count, one a layer each way, otherwise has the host read its branch index, a stall of
+# ~0.4 ms each (1B: 13 ms of an 87 ms step; benchmarks/NOTES.md, tenth session). The rest of the list is
+# XLA's default kinds, which naming the list replaces.
 GPU_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL",
 }
 
 
