@@ -72,11 +72,14 @@ def test_cli_prints_cards_and_source(capsys):
     source = capsys.readouterr().out
     assert "x = lookup(tokens, params['embedding'], 'Embedding', 'embed_tokens')" in source
     assert "gather(params['embedding']" not in source
-    # Hybrid sharding's form: the all-reduces across replicas are waited for where the backward ends.
+    # Hybrid sharding's form: the all-reduces across replicas are waited for where the backward ends,
+    # made first in the function that holds the loop (before the embedding's lookup).
     assert main(["torch", "llama-3.1-8b", "--fully-shard", "--replicas", "2", "--entry", "loss_packed"]) == 0
     source = capsys.readouterr().out
     assert "layers 1 ahead, each part on 2 replicas." in source.splitlines()[0]
-    assert "    parts = across_replicas(parts)\n    params['head'] = across_replicas(params['head'])\n" in source
+    assert ("    parts = across_replicas(params['layers'])  # the layer loop's\n"
+            "    params['head'] = across_replicas(params['head'])\n"
+            "    x = lookup(tokens, params['embedding'], 'Embedding', 'embed_tokens')") in source
 
 
 # Parameter counts of the published models (transformers' LlamaForCausalLM with each config.json).

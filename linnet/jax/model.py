@@ -20,6 +20,7 @@ import numpy as np
 
 from linnet.emit.jax_backend import JAX
 from linnet.jax.shard import ShardedWeights, part_at, to_host, unshard_weights
+from linnet.jax.xla import xla_options
 from linnet.model import LoadedModel
 from linnet.weights import group_specs
 
@@ -36,7 +37,7 @@ class JaxModel(LoadedModel):
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
 
     def _compile(self, function):
-        return jax.jit(function)
+        return jax.jit(function, compiler_options=xla_options(jax.default_backend()))
 
     def _convert(self, tensor):
         return jnp.asarray(tensor.float().numpy(), dtype=self.weight_dtype)

@@ -36,7 +36,6 @@ again."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -53,6 +52,7 @@ from linnet.history import History, Progress, Step
 from linnet.jax import shard
 from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
 from linnet.jax.model import JAX_DTYPES, JaxModel
+from linnet.jax.xla import xla_options
 from linnet.packing import Row
 
 __all__ = ["default_mesh", "evaluate", "own_rows", "train"]
@@ -324,7 +324,8 @@ def _evaluate_function(model: JaxModel, layouts, mesh: Mesh):
         return jax.lax.psum(jnp.where(local > 0, loss * local, 0.0), tuple(mesh.axis_names))
 
     return jax.jit(jax.shard_map(device_loss, mesh=mesh, out_specs=PartitionSpec(),
-                                 in_specs=(PartitionSpec(shard.shard_axis(mesh)), *(_rows_spec(mesh),) * 5)))
+                                 in_specs=(PartitionSpec(shard.shard_axis(mesh)), *(_rows_spec(mesh),) * 5)),
+                   compiler_options=xla_options(mesh.devices.flat[0].platform))
 
 
 def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, parts, state_placements):
@@ -357,39 +358,6 @@ def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool,
     everywhere = NamedSharding(mesh, PartitionSpec())
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_placements, (everywhere, everywhere)),
                    compiler_options=xla_options(mesh.devices.flat[0].platform))
-
-
-# What a scanned step asks of XLA on GPUs: the latency-hiding scheduler, and the collective pipeliner, which
-# moves the next iteration's all-gather (and the previous one's reduce-scatter) of a `lax.scan` under this
-# iteration's compute; double buffering unrolls the loop by two so that the moved collectives have their
-# own buffers. No combine thresholds: a layer's weights are already one flat buffer, one collective.
-# Conditionals in command buffers (CUDA graphs' conditional nodes): the fast attention's `lax.switch` on the
-# rows' document count, one a layer each way, otherwise has the host read its branch index, a stall of
-# ~0.4 ms each (1B: 13 ms of an 87 ms step; benchmarks/NOTES.md, tenth session). The rest of the list is
-# XLA's default kinds, which naming the list replaces.
-GPU_OPTIONS = {
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
-    "xla_gpu_enable_while_loop_double_buffering": True,
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL",
-}
-
-
-@functools.cache
-def xla_options(platform: str) -> dict:
-    """GPU_OPTIONS on a GPU, less those the installed jaxlib does not know (a flag renamed or retired is
-    left out, not an error); none elsewhere."""
-    if platform != "gpu" and platform != "cuda":
-        return {}
-    known = {}
-    for name, value in GPU_OPTIONS.items():
-        try:
-            jax.jit(lambda x: x, compiler_options={name: value}).lower(np.zeros(1, np.float32)).compile()
-            known[name] = value
-        except Exception:  # noqa: BLE001  (jaxlib says "No such compile option" as a runtime error)
-            continue
-    return known
 
 
 def layers_separable(optimizer: optax.GradientTransformation, parts: dict) -> bool:
