@@ -292,14 +292,10 @@ class _AverageAcrossReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gradient):
-        averaged = _launch_average(gradient, ctx.group_name, ctx.replicas, ctx.reduce_dtype)
-        return torch.ops._c10d_functional.wait_tensor(averaged).to(gradient.dtype), None, None, None
-
-
-def _launch_average(gradient: torch.Tensor, group_name: str, replicas: int, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """The average of `gradient` across the replicas, in reduce_dtype, launched and not waited for: each
-    replica's share summed (Gloo has no average)."""
-    return torch.ops._c10d_functional.all_reduce((gradient / replicas).to(reduce_dtype), "sum", group_name)
+        # each replica's share summed, in reduce_dtype (Gloo has no average)
+        functional = torch.ops._c10d_functional
+        averaged = functional.all_reduce((gradient / ctx.replicas).to(ctx.reduce_dtype), "sum", ctx.group_name)
+        return functional.wait_tensor(averaged).to(gradient.dtype), None, None, None
 
 
 def _across_replicas(sharding: Sharding, part: torch.Tensor) -> torch.Tensor:
@@ -342,8 +338,8 @@ class _Hold(torch.autograd.Function):
 
 
 class _WaitAcrossReplicas(torch.autograd.Function):
-    """A part, passed through; in the backward, its gradient (the un-waited average across replicas
-    that `_Hold` launched, or one already waited for) is waited for."""
+    """A part, passed through; in the backward, its gradient (reduce-scattered and summed across the
+    replicas by the reduction that `wait_gathered` launched, un-waited) is waited for."""
 
     @staticmethod
     def forward(ctx, part):
