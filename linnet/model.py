@@ -34,10 +34,10 @@ class LoadedModel(ABC):
 
     layer_region = False  # a layer loop's function compiled once for every layer (PyTorch, see TorchModel)
 
-    def emit(self, sharded: bool = False, schedule=None) -> str:
+    def emit(self, sharded: bool = False, schedule=None, primitives: dict | None = None) -> str:
         return emit(self.checked, self.backend, card_name=self.card.name, generics=self.generics, numerics=self.numerics,
                     cast_dtype=self.cast_dtype, entries=self.entries, sharded=sharded, schedule=schedule,
-                    layer_region=self.layer_region)
+                    layer_region=self.layer_region, primitives=primitives)
 
     def _install(self, source: str, namespace: dict) -> None:
         """Executes generated source and makes its entries this model's."""

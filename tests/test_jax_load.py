@@ -186,13 +186,17 @@ def test_evaluate_after_training_runs_over_the_training_mesh(tmp_path):
     assert trained == pytest.approx(evaluate_whole(model, batches), rel=1e-5)
 
 
-def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits():
-    """prims_jax.cross_entropy_chunked (the fast numerics' loss) over 4 chunks of 1024 positions, its
-    gradients made in the forward chunk by chunk: the loss and both gradients of the exact form (f32
-    inputs: 1e-5), the loss alone undifferentiated too, and XLA's scratch memory for its
-    gradient (the CPU's compiler; the GPU's was not measured) below one row's f32 logits, where the
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits(recompute):
+    """The fast numerics' loss over 4 chunks of 1024 positions, in both forms (each chunk's gradients
+    made in the forward, or each chunk recomputed in the backward, as train runs it with remat): the
+    loss and both gradients of the exact form (f32 inputs: 1e-5), the loss alone undifferentiated too,
+    and XLA's scratch memory for its gradient (the CPU's compiler) below one row's f32 logits, where the
     exact form's holds more than two."""
     from linnet.emit import prims_jax
+
+    def chunked(*inputs):
+        return prims_jax.cross_entropy_chunked(*inputs, recompute=recompute)
 
     keys = jax.random.split(jax.random.key(0), 4)
     seq, width, vocab = 4096, 32, 500
@@ -205,16 +209,16 @@ def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits():
         return jax.jit(jax.value_and_grad(lambda h, w: loss(h, w, targets, weights), argnums=(0, 1)))
 
     exact, (exact_hidden, exact_head) = value_and_grads(prims_jax.cross_entropy)(hidden, head)
-    fast, (fast_hidden, fast_head) = value_and_grads(prims_jax.cross_entropy_chunked)(hidden, head)
+    fast, (fast_hidden, fast_head) = value_and_grads(chunked)(hidden, head)
     np.testing.assert_allclose(fast, exact, rtol=1e-5)
-    np.testing.assert_allclose(jax.jit(prims_jax.cross_entropy_chunked)(hidden, head, targets, weights), exact, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(chunked)(hidden, head, targets, weights), exact, rtol=1e-5)
     for got, want in [(fast_hidden, exact_hidden), (fast_head, exact_head)]:
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     # In bf16 (the compute dtype), as close to the f32 gradients as autodiff of the exact form in bf16
     # (measured: 3.15e-3 and 3.08e-3 for the hidden states, 3.14e-3 and 3.01e-3 for the head).
     low = [x.astype(jnp.bfloat16) for x in (hidden, head)]
     _, exact_low = value_and_grads(prims_jax.cross_entropy)(*low)
-    _, fast_low = value_and_grads(prims_jax.cross_entropy_chunked)(*low)
+    _, fast_low = value_and_grads(chunked)(*low)
     for got, baseline, want in zip(fast_low, exact_low, (exact_hidden, exact_head)):
         error = np.linalg.norm(got.astype(np.float32) - want) / np.linalg.norm(want)
         assert got.dtype == jnp.bfloat16 and error < 1.25 * np.linalg.norm(baseline.astype(np.float32) - want) / np.linalg.norm(want)
@@ -225,4 +229,4 @@ def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits():
 
     # Measured: 49.2 MB (three rows of f32 logits) against 10.4 MB (a few chunks' logits), which stays
     # about so at twice the row (98.4 MB against 12.5 MB).
-    assert scratch(prims_jax.cross_entropy) > 2 * logits_bytes and scratch(prims_jax.cross_entropy_chunked) < logits_bytes
+    assert scratch(prims_jax.cross_entropy) > 2 * logits_bytes and scratch(chunked) < logits_bytes

@@ -121,17 +121,19 @@ def test_sharded_training_equals_one_device(card, devices, batch, scan):  # 3: e
     assert_same_weights(model.params, expected_params, 5e-5)  # gathered whole when asked
 
 
-@pytest.mark.parametrize("shape,numerics,scan", [((2, 2), "exact", False), ((4, 1), "exact", False), ((2, 2), "fast", True)])
-def test_a_replicated_mesh_trains_as_one_device(card, shape, numerics, scan):
+@pytest.mark.parametrize("shape,numerics,scan,remat", [((2, 2), "exact", False, True), ((4, 1), "exact", False, True),
+                                                     ((2, 2), "fast", True, True), ((2, 2), "fast", False, False)])
+def test_a_replicated_mesh_trains_as_one_device(card, shape, numerics, scan, remat):
     """A ("replicate", "shard") mesh (a machine a replica, across machines): each replica holds every part,
-    split over its own devices, and the gradients are summed across replicas; also with the fast loss,
-    whose own gradient rule must sum the head's across replicas, and the layers scanned."""
+    split over its own devices, and the gradients are summed across replicas; also with the fast loss
+    (without remat the one-pass form, whose own gradient rule must sum the head's across replicas), and
+    the layers scanned."""
     batches = rows(STEPS * 4)
     expected_params, expected_losses = reference(card, batches, 4)
     model = load(card, numerics=numerics)
     two_axes = Mesh(np.array(jax.devices()[:4]).reshape(shape), ("replicate", "shard"))
     params, history = jax_train.train(model, batches, optimizer=adamw(), steps=STEPS, mesh=two_axes,
-                                      scan_layers=scan, on_step=lambda step: None)
+                                      scan_layers=scan, remat=remat, on_step=lambda step: None)
     np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-5)
     assert all(part.sharding.spec == jax.sharding.PartitionSpec("shard") for part in jax.tree.leaves(params))
     assert_same_weights(model.params, expected_params, 5e-5)
@@ -149,13 +151,30 @@ def test_weights_read_whole_stay_parts_after_training(card):
     assert model.params["layers"][0]["q_proj"].shape == (80, 80)
 
 
-def test_remat_recomputes_the_same_step(card):
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_remat_recomputes_the_same_step(card, numerics):
+    """With the fast numerics remat also recomputes the loss's chunks in the backward, where without it
+    their gradients are made in the forward (prims_jax.cross_entropy_chunked): the steps agree."""
     batches = rows(STEPS * 4)
-    kept = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4), remat=False,
-                           on_step=lambda step: None)[1]
-    recomputed = jax_train.train(load(card), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4), remat=True,
-                                 on_step=lambda step: None)[1]
+    kept = jax_train.train(load(card, numerics=numerics), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4),
+                           remat=False, on_step=lambda step: None)[1]
+    recomputed = jax_train.train(load(card, numerics=numerics), batches, optimizer=adamw(), steps=STEPS, mesh=mesh(4),
+                                 remat=True, on_step=lambda step: None)[1]
     np.testing.assert_allclose([s.loss for s in recomputed.steps], [s.loss for s in kept.steps], rtol=1e-6)
+
+
+def test_remat_binds_the_recomputed_loss(card):
+    import inspect
+
+    model = load(card, numerics="fast")
+    layouts = shard.group_layouts(model.checked, shard.shards(mesh(2)))
+
+    def loss_source(remat):
+        loss_packed = jax_train._sharded_loss_packed(model, layouts, "data", remat)
+        return inspect.getsource(loss_packed.__globals__["cross_entropy"])
+
+    assert "def cross_entropy(hidden, head, targets, weights, recompute=True):" in loss_source(True)
+    assert "def cross_entropy(hidden, head, targets, weights, recompute=False):" in loss_source(False)
 
 
 def test_remat_wraps_the_layer_in_jax_checkpoint():

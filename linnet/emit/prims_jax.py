@@ -175,13 +175,17 @@ def cross_entropy(hidden, head, targets, weights):
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
 
 
-def cross_entropy_chunked(hidden, head, targets, weights):
+def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
     # The head's matmul and the loss 1024 positions at a time (or fewer, dividing the row): f32 logits of
     # one chunk live at a time, never of the whole row. Differentiated, each chunk's gradients are made
-    # where its logits are (softmax less the target, times the weight), so the backward only scales
-    # them: three matmuls a chunk, as the plain loss, where recomputing each chunk would take four. The
-    # price: the head's gradient (Vocab x D) is held from the loss's forward to its backward. The loss
-    # weights are data: no gradient flows to them.
+    # where its logits are (softmax less the target, times the weight), the head's summed in f32: in the
+    # forward, so that the backward only scales them (three matmuls a chunk, as the plain loss, where
+    # recomputing each chunk takes four; the head's gradient, Vocab x D, held from the forward to the
+    # backward), or with `recompute` in the backward, holding nothing. linnet.jax.train recomputes under
+    # remat: on an H200 the one-pass form then held every layer's gradient to the optimizer's update (3B:
+    # 50.3 GiB against 40.9; the 8B no longer fit), while without remat it is the quicker (1B: 0.080 s
+    # against 0.086 s; benchmarks/NOTES.md, eleventh session). The loss weights are data: no gradient
+    # flows to them.
     batch, seq, width = hidden.shape
     chunk = math.gcd(seq, 1024)
     weights = jax.lax.stop_gradient(weights)
@@ -217,7 +221,7 @@ def cross_entropy_chunked(hidden, head, targets, weights):
         return jnp.sum(jax.lax.map(lambda p: chunk_losses(p[0], head, p[1], p[2], False),
                                    (split(hidden), split(targets), split(weights))))
 
-    def summed_forward(hidden, head, targets, weights):
+    def loss_and_gradients(hidden, head, targets, weights):
         def step(d_head, pieces):
             loss, d_hidden, d_head_chunk = chunk_losses(pieces[0], head, pieces[1], pieces[2], True)
             return d_head + d_head_chunk, (loss, d_hidden)
@@ -230,8 +234,13 @@ def cross_entropy_chunked(hidden, head, targets, weights):
         d_hidden = jnp.concatenate([d_hidden[None], d_hiddens]).swapaxes(0, 1).reshape(hidden.shape)
         return loss + jnp.sum(losses), (d_hidden, d_head.astype(head.dtype))
 
+    def summed_forward(hidden, head, targets, weights):
+        if recompute:
+            return summed(hidden, head, targets, weights), (hidden, head, targets, weights)
+        return loss_and_gradients(hidden, head, targets, weights)
+
     def summed_backward(saved, g):
-        d_hidden, d_head = saved
+        d_hidden, d_head = loss_and_gradients(*saved)[1] if recompute else saved
         return ((d_hidden.astype(jnp.float32) * g).astype(d_hidden.dtype), (d_head.astype(jnp.float32) * g).astype(d_head.dtype),
                 None, None)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
+import re
 from dataclasses import dataclass
 
 from linnet.cardlang.check import Checked
@@ -48,15 +49,18 @@ def emit(
     sharded: bool = False,
     schedule: Schedule | None = None,
     layer_region: bool = False,
+    primitives: dict | None = None,
 ) -> str:
     """layer_region: a function that a layer loop calls is compiled once for every layer
-    (`@torch.compiler.nested_compile_region`, PyTorch only)."""
+    (`@torch.compiler.nested_compile_region`, PyTorch only). primitives: functions copied in for
+    some of the backend's primitives of these numerics, by name; a functools.partial is copied with its
+    keywords as defaults (linnet.jax.train's loss under remat)."""
     program = checked.program
     chosen = entries if entries is not None else program.entries
     functions = _needed_functions(checked, chosen)
     sharded = sharded or schedule is not None
     writer = _Writer(checked, backend, cast_dtype, sharded, schedule, layer_region and backend.name == "torch")
-    prims = backend.prims[numerics]
+    prims = {**backend.prims[numerics], **(primitives or {})}
     mode = "unsharded"
     if sharded:
         mode = "sharded: gathers each group where it is first used"
@@ -121,8 +125,17 @@ def _carried(loop: ast.For) -> str:
 
 
 def _primitive_source(function, name: str) -> str:
+    """The primitive's source under `name`; of a functools.partial, its function's with the partial's
+    keywords as the defaults (`def cross_entropy(..., recompute=True):`)."""
+    keywords = getattr(function, "keywords", {})
+    function = getattr(function, "func", function)
     source = inspect.getsource(function)
-    return source.replace(f"def {function.__name__}(", f"def {name}(", 1).rstrip()
+    head, body = source.split(":\n", 1)  # the signature, as written on one line
+    for keyword, value in keywords.items():
+        head, found = re.subn(rf"\b{keyword}=[^,)]*", f"{keyword}={value!r}", head, count=1)
+        if not found:
+            raise ValueError(f"{function.__name__} has no argument {keyword}= with a default to set")
+    return f"{head}:\n{body}".replace(f"def {function.__name__}(", f"def {name}(", 1).rstrip()
 
 
 def _type_comment(value) -> str:

@@ -1,9 +1,12 @@
 """The XLA options Linnet's JAX functions compile with on GPUs, each kept only if the installed jaxlib
-knows it: set per compile (`jax.jit(..., compiler_options=...)`), never in the user's environment."""
+knows it and the user's XLA_FLAGS does not name it (theirs wins): set per compile
+(`jax.jit(..., compiler_options=...)`), never in the user's environment."""
 
 from __future__ import annotations
 
 import functools
+import os
+import re
 
 import jax
 import numpy as np
@@ -28,14 +31,21 @@ GPU_OPTIONS = {
 @functools.cache
 def xla_options(platform: str) -> dict:
     """GPU_OPTIONS on a GPU, less those the installed jaxlib does not know (a flag renamed or retired is
-    left out, not an error); none elsewhere."""
+    left out, not an error) and those XLA_FLAGS sets; none elsewhere."""
     if platform != "gpu" and platform != "cuda":
         return {}
     known = {}
     for name, value in GPU_OPTIONS.items():
+        if name in user_flags():
+            continue
         try:
             jax.jit(lambda x: x, compiler_options={name: value}).lower(np.zeros(1, np.float32)).compile()
             known[name] = value
         except Exception:  # noqa: BLE001  (jaxlib says "No such compile option" as a runtime error)
             continue
     return known
+
+
+def user_flags() -> set[str]:
+    """The option names XLA_FLAGS sets ("--xla_gpu_enable_command_buffer=" turns command buffers off)."""
+    return set(re.findall(r"--(\w+)=", os.environ.get("XLA_FLAGS", "")))
