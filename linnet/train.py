@@ -6,20 +6,26 @@
 The loss optimised and reported is the token-weighted mean over the whole
 global batch (every rank's row): each rank's mean is scaled by its share of
 the batch's loss weight, times the world size, before the backward, so the
-gradients the reduce-scatter averages over ranks are those of the global mean."""
+gradients the reduce-scatter averages over ranks are those of the global mean.
+
+On a GPU the host runs a step ahead: what the ranks agree on before a step
+travels on the CPU (agree.cpu_group), and a step's loss and time (CUDA events)
+are read once the next step is launched, so the device never idles between
+steps waiting for the host. A step is reported then, and before a checkpoint."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from linnet import watchdog
-from linnet.agree import raise_together
+from linnet.agree import cpu_group, raise_together
 from linnet.history import History, Progress, Step
 from linnet.packing import Example, Row, pack
 
@@ -61,12 +67,72 @@ def _loss(model, row: Row, device, causal: bool) -> torch.Tensor:
     return model.loss_packed(tokens, targets, positions, segments, weights)
 
 
-def _all_reduce(values: list[float], device, op=None) -> list[float]:
-    """values summed (or reduced by op) over the ranks; f64 where the backend has it (Gloo)."""
-    tensor = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+def _all_reduce(values: list[float], op=None) -> list[float]:
+    """values summed (or reduced by op) over the ranks, in f64 on the CPU (Gloo): no GPU synchronisation."""
+    tensor = torch.tensor(values, dtype=torch.float64)
     if _world()[1] > 1:
-        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=cpu_group())
     return tensor.tolist()
+
+
+class _Clock:
+    """Where each step ends: CUDA events on a GPU (the host, a step ahead, would time its launches),
+    the host's clock elsewhere (the CPU computes as it is asked)."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+        self.start = self._mark()
+
+    def _mark(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def restart(self) -> None:
+        """The next step starts now (after a pause that is no step's: a checkpoint written)."""
+        self.start = self._mark()
+
+    def lap(self) -> tuple:
+        """Marks a step's end (after its work is launched): (start, end) for `seconds`."""
+        start, self.start = self.start, self._mark()
+        return start, self.start
+
+    def seconds(self, lap: tuple) -> float:
+        """The step's time; on a GPU this waits until the step is done."""
+        start, end = lap
+        if not self.events:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+
+@dataclass
+class _Launched:
+    """A step whose work is launched, not yet read: its loss lands in `loss` when the device gets there."""
+
+    step: int
+    loss: torch.Tensor  # this rank's mean loss, on the host (pinned on a GPU: copied without waiting)
+    local_weight: float
+    total_weight: float
+    tokens: int
+    lr: float
+    lap: tuple
+
+    @classmethod
+    def of(cls, loss: torch.Tensor, clock: _Clock, **fields) -> "_Launched":
+        """The step whose loss this is: its copy to the host launched, then the step's end marked."""
+        loss = loss.detach().float()
+        if loss.device.type == "cuda":
+            loss = torch.empty((), dtype=loss.dtype, pin_memory=True).copy_(loss, non_blocking=True)
+        return cls(loss=loss, lap=clock.lap(), **fields)
+
+    def record(self, clock: _Clock) -> Step:
+        """The step's record, over every rank (a collective: every rank reads its step together)."""
+        seconds = clock.seconds(self.lap)  # the step is done: its loss is on the host
+        (loss_sum,) = _all_reduce([float(self.loss) * self.local_weight])
+        return Step(self.step, loss_sum / max(self.total_weight, 1e-12), seconds, self.tokens, self.total_weight, self.lr)
 
 
 def _problem(check) -> str | None:
@@ -133,17 +199,25 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
         checkpointer.check_room()
     report = on_step or Progress(steps, rank)
     device = model.device
+    clock, launched = _Clock(device), None
+
+    def read_launched() -> None:
+        nonlocal launched
+        if launched is not None:
+            history.steps.append(launched.record(clock))
+            report(history.steps[-1])
+            launched = None
+
     for step in range(history.resumed_from + 1, steps + 1):
         row = next(rows, None)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
         local_weight = float(row.weights.sum()) if row is not None else 0.0
         problem = None if row is None else _problem(lambda: row.check_ids(model.checked.dims["Vocab"], f"step {step}"))
         # Every forward of a sharded model is collective: all ranks step, or all stop together.
         one_document = row is not None and row.is_one_document()
         total_weight, ranks_with_a_row, ranks_with_problems, ranks_one_document = _all_reduce(
-            [local_weight, float(row is not None), float(problem is not None), float(one_document)], device)
+            [local_weight, float(row is not None), float(problem is not None), float(one_document)])
+        if ranks_with_a_row < world or ranks_with_problems:
+            read_launched()  # the step before is reported before the run stops
         if ranks_with_a_row < world:
             raise ValueError(f"{world - int(ranks_with_a_row)} of {world} ranks ran out of rows at step {step} "
                              f"of {steps}: give every rank at least {steps} rows")
@@ -156,14 +230,16 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
         lr = optimizer.param_groups[0]["lr"]
         if schedule is not None:
             schedule.step()
-        (loss_sum,) = _all_reduce([float(loss.detach()) * local_weight], device)
-        seconds = time.perf_counter() - start
-        record = Step(step, loss_sum / max(total_weight, 1e-12), seconds, world * len(row.tokens), total_weight, lr)
-        history.steps.append(record)
-        report(record)
+        this_step = _Launched.of(loss, clock, step=step, local_weight=local_weight, total_weight=total_weight,
+                                 tokens=world * len(row.tokens), lr=lr)
+        read_launched()  # the step before, while the device runs this one
+        launched = this_step
         rows_consumed += world
         if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
+            read_launched()
             checkpointer.save(step, rows_consumed=rows_consumed)
+            clock.restart()
+    read_launched()
     return history
 
 
@@ -181,7 +257,7 @@ def evaluate(model, batches: Iterable[Row]) -> float:
     # The causal entry only where every row of every rank is one document: the ranks call one entry a row.
     packed = any(not row.is_one_document() for row in rows)
     most, ranks_with_problems, any_packed = _all_reduce([float(len(rows)), float(problem is not None), float(packed)],
-                                                        device, dist.ReduceOp.MAX)
+                                                        dist.ReduceOp.MAX)
     raise_together(problem, ranks_with_problems)
     blank = rows[0]
     rows += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (int(most) - len(rows))
@@ -190,7 +266,7 @@ def evaluate(model, batches: Iterable[Row]) -> float:
         weight = float(row.weights.sum())
         loss_sum += float(_loss(model, row, device, causal=not any_packed)) * weight
         weight_sum += weight
-    loss_sum, weight_sum = _all_reduce([loss_sum, weight_sum], device)
+    loss_sum, weight_sum = _all_reduce([loss_sum, weight_sum])
     if weight_sum == 0:
         raise ValueError("evaluate got no rows with loss weight")
     return loss_sum / weight_sum

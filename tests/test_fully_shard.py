@@ -425,6 +425,34 @@ def test_one_ranks_bad_row_stops_every_rank_with_its_message(card, where):
         assert message is not None and f"rank 1: {first}: targets[3] = 1000000 is not a token id" in message
 
 
+def bad_row_at_step_two(rank: int, world: int, card):
+    """train where the last rank's second row holds a token outside the vocabulary: (what each rank
+    raised, the steps it reported). A step is reported once the next is launched, or before a stop."""
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    model = fully_shard(load(card))
+    mine = rows(world)[rank::world]
+    if rank == world - 1:
+        mine[1].targets = mine[1].targets.copy()
+        mine[1].targets[3] = 10**6
+    reported = []
+    try:
+        train(model, iter(mine), optimizer=torch.optim.AdamW(list(model.parameters())), steps=STEPS,
+              on_step=reported.append)
+    except ValueError as error:
+        return str(error), [(s.step, s.loss) for s in reported]
+    return None, reported
+
+
+def test_the_step_before_a_stop_is_reported(card):
+    outcomes = run(bad_row_at_step_two, 2, card, timeout=30)
+    for message, reported in outcomes:
+        assert message is not None and "rank 1: step 2: targets[3] = 1000000 is not a token id" in message
+        assert [step for step, _ in reported] == [1] and np.isfinite(reported[0][1])
+    assert outcomes[0][1] == outcomes[1][1]  # the global batch's loss, on every rank
+
+
 def save_where_it_cannot(rank: int, world: int, card, target: str):
     """save_weights, then a checkpoint, into a path under a file: only the first rank writes either."""
     from linnet.checkpoint import Checkpointer
