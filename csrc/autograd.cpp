@@ -23,9 +23,9 @@ std::tuple<at::Tensor, at::Tensor> call_all_gather(
     int64_t group_size,
     const std::string& group_name) {
   static auto handle = op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, at::ScalarType, int64_t, std::string, std::string, std::optional<at::ScalarType>)>(
-      "linnet::all_gather");
-  return handle.call(part, dtype, group_size, group_name, "sum", std::nullopt);
+      const at::Tensor&, at::ScalarType, int64_t, std::string, std::string, std::optional<at::ScalarType>,
+      std::string, int64_t)>("linnet::all_gather");
+  return handle.call(part, dtype, group_size, group_name, "sum", std::nullopt, "", 1);
 }
 
 at::Tensor call_reduce_scatter(
@@ -146,9 +146,12 @@ class AllGather : public torch::autograd::Function<AllGather> {
       int64_t group_size,
       const std::string& group_name,
       const std::string& reduce_op,
-      std::optional<at::ScalarType> reduce_dtype) {
+      std::optional<at::ScalarType> reduce_dtype,
+      const std::string& replicate_group_name,
+      int64_t replicas) {
     ctx->saved_data["part_dtype"] = static_cast<int64_t>(part.scalar_type());
-    save_reduction(ctx, reduce_op, reduce_dtype.value_or(at::kFloat), group_size, group_name);
+    save_reduction(
+        ctx, reduce_op, reduce_dtype.value_or(at::kFloat), group_size, group_name, replicate_group_name, replicas);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [gathered, token] = call_all_gather(part, dtype, group_size, group_name);
     ctx->mark_non_differentiable({token});
@@ -157,10 +160,11 @@ class AllGather : public torch::autograd::Function<AllGather> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // Every rank used the whole gathered tensor: a part's gradient is the sum
-    // (or mean) over ranks of the gradient of its slot, in f32.
+    // (or mean) over ranks, and across the replicas, of the gradient of its slot, in f32.
     at::Tensor grad = wait(launch_reduction(ctx, grads[0]));
     auto part_dtype = static_cast<at::ScalarType>(ctx->saved_data["part_dtype"].toInt());
-    return {grad.to(part_dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad.to(part_dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -282,8 +286,11 @@ TORCH_LIBRARY_IMPL(linnet, Autograd, m) {
          int64_t group_size,
          std::string group_name,
          std::string reduce_op,
-         std::optional<at::ScalarType> reduce_dtype) {
-        auto outputs = linnet::AllGather::apply(part, dtype, group_size, group_name, reduce_op, reduce_dtype);
+         std::optional<at::ScalarType> reduce_dtype,
+         std::string replicate_group_name,
+         int64_t replicas) {
+        auto outputs = linnet::AllGather::apply(
+            part, dtype, group_size, group_name, reduce_op, reduce_dtype, replicate_group_name, replicas);
         return std::make_tuple(outputs[0], outputs[1]);
       });
   m.impl(

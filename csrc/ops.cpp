@@ -94,11 +94,13 @@ TORCH_LIBRARY(linnet, m) {
       "group_views(Tensor(a -> *) flat, int[] offsets, int[] shapes, int[] ndims) -> Tensor(a)[]",
       torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &linnet::group_views),
       tags);
-  // all_gather's last two arguments are its gradient's: summed or averaged
-  // over ranks, in f32 by default.
+  // all_gather's last four arguments are its gradient's: summed or averaged
+  // over ranks, in f32 by default, and summed across the replicas that hold
+  // the same part (hybrid sharding) as reduce_scatter's.
   m.def(
       "all_gather(Tensor part, ScalarType dtype, int group_size, str group_name, "
-      "str reduce_op=\"sum\", ScalarType? reduce_dtype=None) -> (Tensor, Tensor)",
+      "str reduce_op=\"sum\", ScalarType? reduce_dtype=None, str replicate_group_name=\"\", "
+      "int replicas=1) -> (Tensor, Tensor)",
       collective_tags);
   m.def(
       "reduce_scatter(Tensor full, str reduce_op, ScalarType reduce_dtype, int group_size, "

@@ -94,7 +94,9 @@ void register_kernels(torch::Library& m) {
          int64_t group_size,
          std::string group_name,
          std::string /*reduce_op*/,
-         std::optional<at::ScalarType> /*reduce_dtype*/) {
+         std::optional<at::ScalarType> /*reduce_dtype*/,
+         std::string /*replicate_group_name*/,
+         int64_t /*replicas*/) {
         // The reduce settings are the gradient's (csrc/autograd.cpp).
         return all_gather(part, dtype, group_size, group_name, copy);
       });

@@ -55,13 +55,15 @@ def group_views(flat: torch.Tensor, offsets: Sequence[int], shapes: Sequence[Seq
 
 
 def all_gather(part: torch.Tensor, dtype: torch.dtype, group_size: int, group_name: str, *, reduce_op: str = "sum",
-               reduce_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               reduce_dtype: torch.dtype | None = None, replicate_group_name: str = "",
+               replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the gather of every rank's part, cast to `dtype` and concatenated in rank order;
     returns (gathered, token). Call `wait(gathered)` before reading it. `token` is an empty tensor
     from the same launch: work that depends on it runs after the launch (see `after`), and
     keeping it keeps nothing else alive. The gradient of `gathered` is reduce-scattered into the
-    part: summed ("sum") or averaged ("avg") over ranks, in `reduce_dtype` (f32 by default)."""
-    return _ops.all_gather(part, dtype, group_size, group_name, reduce_op, reduce_dtype)
+    part: summed ("sum") or averaged ("avg") over ranks, in `reduce_dtype` (f32 by default), and
+    over the `replicas` ranks of `replicate_group_name` that hold the same part, as `reduce_scatter`'s."""
+    return _ops.all_gather(part, dtype, group_size, group_name, reduce_op, reduce_dtype, replicate_group_name, replicas)
 
 
 def reduce_scatter(full: torch.Tensor, reduce_op: str, reduce_dtype: torch.dtype, group_size: int,
@@ -122,7 +124,7 @@ def _(flat, rank, world):
 
 
 @torch.library.register_fake("linnet::all_gather")
-def _(part, dtype, group_size, group_name, reduce_op="sum", reduce_dtype=None):
+def _(part, dtype, group_size, group_name, reduce_op="sum", reduce_dtype=None, replicate_group_name="", replicas=1):
     return part.new_empty(part.numel() * group_size, dtype=dtype), part.new_empty(0)
 
 

@@ -267,8 +267,10 @@ def _bindings(sharding: Sharding) -> dict:
 
 
 def _all_gather(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gather whose backward averages the gradient over this shard group and across the replicas."""
     return ops.all_gather(part, sharding.compute_dtype, sharding.world, sharding.group_name, reduce_op="avg",
-                          reduce_dtype=sharding.reduce_dtype)
+                          reduce_dtype=sharding.reduce_dtype, replicate_group_name=sharding.replicate_group_name or "",
+                          replicas=sharding.replicas)
 
 
 def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
@@ -278,31 +280,7 @@ def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torc
 
 def _gather(sharding: Sharding, part: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
     """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once."""
-    return _views(sharding, ops.wait(_all_gather(sharding, _across_replicas(sharding, part))[0]), group)
-
-
-class _AverageAcrossReplicas(torch.autograd.Function):
-    """A part, passed through; in the backward, its gradient (this shard group's, reduce-scattered and
-    waited for) is averaged across the replicas that hold the same part."""
-
-    @staticmethod
-    def forward(ctx, part, group_name, replicas, reduce_dtype):
-        ctx.group_name, ctx.replicas, ctx.reduce_dtype = group_name, replicas, reduce_dtype
-        return part.view_as(part)
-
-    @staticmethod
-    def backward(ctx, gradient):
-        # each replica's share summed, in reduce_dtype (Gloo has no average)
-        functional = torch.ops._c10d_functional
-        averaged = functional.all_reduce((gradient / ctx.replicas).to(ctx.reduce_dtype), "sum", ctx.group_name)
-        return functional.wait_tensor(averaged).to(gradient.dtype), None, None, None
-
-
-def _across_replicas(sharding: Sharding, part: torch.Tensor) -> torch.Tensor:
-    """`part`, whose gradient is averaged across the replicas; `part` itself where there is one replica."""
-    if sharding.replicas == 1:
-        return part
-    return _AverageAcrossReplicas.apply(part, sharding.replicate_group_name, sharding.replicas, sharding.reduce_dtype)
+    return _views(sharding, ops.wait(_all_gather(sharding, part)[0]), group)
 
 
 class Launched(NamedTuple):
