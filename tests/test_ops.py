@@ -309,7 +309,8 @@ def test_collectives_match_reference(world):
 def _across_replicas(rank: int, world: int, shape: tuple[int, int]) -> None:
     """reduce_scatter with replicas (a ("replicate", "shard") mesh): this rank's part of every rank's
     tensor, summed or averaged over the shard group and across the replicas; in bf16 too; a shard
-    group of one rank (replicas only); what it reads is its own, as without replicas."""
+    group of one rank (replicas only); what it reads is its own, as without replicas. all_gather's
+    gradient, given the replicas, is that reduction."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -333,6 +334,12 @@ def _across_replicas(rank: int, world: int, shape: tuple[int, int]) -> None:
                 torch.testing.assert_close(reduced, expected, rtol=2e-2, atol=2e-2)
             else:
                 torch.testing.assert_close(reduced, expected)
+        # all_gather's backward: the same reduction of the gathered tensor's gradient, waited for
+        part = torch.zeros(part_size, requires_grad=True)
+        gathered, _ = ops.all_gather(part, torch.float32, shards, shard.group_name, reduce_op=reduce_op,
+                                     replicate_group_name=replicate.group_name, replicas=replicas)
+        ops.wait(gathered).backward(fulls[rank])
+        torch.testing.assert_close(part.grad, total / world if reduce_op == "avg" else total)
     with pytest.raises(RuntimeError, match="no gradient through a reduction across replicas"):
         ops.reduce_scatter(fulls[rank].clone().requires_grad_(), "sum", torch.float32, shards, shard.group_name,
                            replicate.group_name, replicas)
