@@ -80,14 +80,14 @@ class _Clock:
     the host's clock elsewhere (the CPU computes as it is asked)."""
 
     def __init__(self, device: torch.device):
-        self.events = device.type == "cuda"
+        self.device, self.events = device, device.type == "cuda"
         self.start = self._mark()
 
     def _mark(self):
         if not self.events:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def restart(self) -> None:
