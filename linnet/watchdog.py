@@ -65,7 +65,8 @@ def watch(group: dist.ProcessGroup, timeout: float | None = None) -> None:
     except RuntimeError:  # a store that keeps no keys (a fake group's) cannot carry heartbeats
         return
     _watching[group.group_name] = watchdog
-    threading.Thread(target=watchdog.run, name=f"linnet-watchdog-{group.group_name}", daemon=True).start()
+    watchdog.thread = threading.Thread(target=watchdog.run, name=f"linnet-watchdog-{group.group_name}", daemon=True)
+    watchdog.thread.start()
 
 
 def from_communication(error: BaseException) -> bool:
@@ -98,6 +99,7 @@ class _Watchdog:
         self.host_key = lambda r: f"linnet/host/{group_name}/{r}"
         self.interval = min(max(timeout / 4, 0.2), 5.0)
         self.beats = 0
+        self.stopping, self.thread = threading.Event(), None
         self.store.set(self.key(rank), "0")
         # Where this rank runs, for a message about it: torchrun's machine index (GROUP_RANK) and the host.
         machine = os.environ.get("GROUP_RANK")
@@ -105,6 +107,11 @@ class _Watchdog:
         atexit.register(self._leave)
 
     def _leave(self) -> None:
+        # At exit the thread is stopped first: a daemon thread still in a store call while the
+        # interpreter and the store's own threads are torn down can abort the process.
+        self.stopping.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
         try:
             self.store.set(self.key(self.rank), DONE)
         except Exception:  # noqa: BLE001  (the store may be gone already: nothing left to tell)
@@ -113,8 +120,7 @@ class _Watchdog:
     def run(self) -> None:
         peers = [r for r in self.ranks if r != self.rank]
         seen = {r: (None, time.monotonic()) for r in peers}  # rank -> (last count, when it last moved)
-        while True:
-            time.sleep(self.interval)
+        while not self.stopping.wait(self.interval):
             if not dist.is_initialized():  # this rank left the process group: it is done
                 self._leave()
                 return
