@@ -314,8 +314,9 @@ def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool):
                  "over_layers": shard.over_layers}
     # With remat the fast loss is recomputed in the backward too: its one-pass form then cost a gradient's
     # worth of memory (prims_jax.cross_entropy_chunked says what was measured).
-    recomputed = partial(prims_jax.cross_entropy_chunked, recompute=True)
-    primitives = {"cross_entropy": recomputed} if remat and model.numerics == "fast" else None
+    primitives = None
+    if remat and model.numerics == "fast":
+        primitives = {"cross_entropy": partial(prims_jax.cross_entropy_chunked, recompute=True)}
     return model.execute(model.emit(sharded=True, primitives=primitives), namespace)["loss_packed"]
 
 

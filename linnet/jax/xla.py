@@ -34,9 +34,9 @@ def xla_options(platform: str) -> dict:
     left out, not an error) and those XLA_FLAGS sets; none elsewhere."""
     if platform != "gpu" and platform != "cuda":
         return {}
-    known = {}
+    known, theirs = {}, user_flags()
     for name, value in GPU_OPTIONS.items():
-        if name in user_flags():
+        if name in theirs:
             continue
         try:
             jax.jit(lambda x: x, compiler_options={name: value}).lower(np.zeros(1, np.float32)).compile()
