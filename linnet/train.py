@@ -11,7 +11,10 @@ gradients the reduce-scatter averages over ranks are those of the global mean.
 On a GPU the host runs a step ahead: what the ranks agree on before a step
 travels on the CPU (agree.cpu_group), and a step's loss and time (CUDA events)
 are read once the next step is launched, so the device never idles between
-steps waiting for the host. A step is reported then, and before a checkpoint."""
+steps waiting for the host. A step is reported then, and before a checkpoint.
+With hybrid sharding the optimizer steps the parts reduced last (the first
+layer's) after the others, under whose step their sum across the machines
+runs (linnet/torch/replicas.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from linnet import watchdog
 from linnet.agree import cpu_group, raise_together
 from linnet.history import History, Progress, Step
 from linnet.packing import Example, Row, pack
+from linnet.torch.replicas import step_after_backward
 
 __all__ = ["Example", "pack", "cosine_schedule", "train", "evaluate", "History", "Step"]
 
@@ -224,8 +228,7 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
         raise_together(problem, ranks_with_problems)
         loss = _loss(model, row, device, causal=ranks_one_document == world)
         # scaled so that the gradients averaged over ranks are those of the global weighted mean
-        (loss * (world * local_weight / max(total_weight, 1e-12))).backward()
-        optimizer.step()
+        step_after_backward(model, loss * (world * local_weight / max(total_weight, 1e-12)), optimizer)
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
         if schedule is not None:

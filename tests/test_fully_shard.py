@@ -286,18 +286,23 @@ def own_loop(rank: int, world: int, card):
     return {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
 
 
-def test_a_users_own_loop_trains_on_the_mean_of_the_ranks_losses(card):
-    """As with DDP and FSDP2, the gradient is that of the mean of the ranks' losses."""
+def mean_of_the_ranks_losses(card, world: int) -> dict:
+    """One process, each step the mean of `world` rows' losses, each row its own call: the weights."""
     model = load(card)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
-    data = rows(2)
+    data = rows(world)
     for step in range(STEPS):
         losses = [model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in FIELDS])
-                  for row in data[step * 2:(step + 1) * 2]]
-        (sum(losses) / 2).backward()
+                  for row in data[step * world:(step + 1) * world]]
+        (sum(losses) / world).backward()
         optimizer.step()
         optimizer.zero_grad()
-    expected = {name: tensor.detach() for name, tensor in model.named_weights()}
+    return {name: tensor.detach() for name, tensor in model.named_weights()}
+
+
+def test_a_users_own_loop_trains_on_the_mean_of_the_ranks_losses(card):
+    """As with DDP and FSDP2, the gradient is that of the mean of the ranks' losses."""
+    expected = mean_of_the_ranks_losses(card, 2)
     for weights in run(own_loop, 2, card, timeout=300):
         for name, tensor in weights.items():
             assert relative_error(tensor, expected[name].numpy()) < 1e-5, name

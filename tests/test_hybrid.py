@@ -13,7 +13,8 @@ import torch
 from distributed import run
 from test_checkpoint import HALF, halves, join, zero_weight
 from linnet import nest
-from test_fully_shard import EPS, LR, STEPS, card, load, reference, relative_error, rows, untied  # noqa: F401 (fixtures)
+from test_fully_shard import (EPS, FIELDS, LR, STEPS, card, load, mean_of_the_ranks_losses, reference,  # noqa: F401 (fixtures)
+                             relative_error, rows, untied)
 
 
 def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str, prefetch: int,
@@ -69,6 +70,77 @@ def test_a_bf16_reduction_applies_inside_and_across_machines(card):
     (losses, _), *_ = run(hybrid_training, 4, card, (2, 2), "inductor", "gather", 1, torch.bfloat16, timeout=900)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-3)
     assert not np.allclose(losses, expected_losses, rtol=1e-7, atol=0)
+
+
+class _AdamWOfItsOwn(torch.optim.AdamW):
+    """An optimizer train cannot know steps each parameter alone (not of replicas.PER_PARAMETER)."""
+
+
+def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_class) -> tuple:
+    """Train on 2 x 2; for each optimizer.step(), the names of the parts that had a gradient. Also whether the
+    losses follow single-process training (checked by the caller)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(load(card, compile=compile), mesh=mesh)
+    names = {id(model.params["embedding"]): "embedding", id(model.params["head"]): "head",
+             **{id(p): f"layer {i}" for i, p in enumerate(model.params["layers"])}}
+    optimizer = optimizer_class(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
+    calls, step = [], optimizer.step
+
+    def recorded(*args, **kwargs):
+        calls.append(sorted(names[id(p)] for p in model.parameters() if p.grad is not None))
+        return step(*args, **kwargs)
+
+    optimizer.step = recorded
+    history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=2, on_step=lambda s: None)
+    return calls, [s.loss for s in history.steps]
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_train_steps_the_parts_reduced_last_once_the_rest_are_stepped(card, compile):
+    """The first layer's and the tied embedding's parts are reduced last: train sums them across the replicas
+    under the optimizer's step of every other part, then steps them; the losses are single-process training's."""
+    expected_losses, _ = reference(card, 4)
+    everything = ["embedding", "head", "layer 0", "layer 1"]
+    for calls, losses in run(steps_taken, 4, card, compile, torch.optim.AdamW, timeout=900 if compile else 300):
+        assert calls == [["head", "layer 1"], ["embedding", "layer 0"]] * 2
+        np.testing.assert_allclose(losses, expected_losses[:2], rtol=1e-5)
+    for calls, losses in run(steps_taken, 4, card, None, _AdamWOfItsOwn, timeout=300):
+        assert calls == [everything] * 2  # summed by the parts' hooks during the backward: one step
+        np.testing.assert_allclose(losses, expected_losses[:2], rtol=1e-5)
+
+
+def own_loop_on_a_mesh(rank: int, world: int, card, compile: str | None):
+    """A user's loop on 2 x 2, each step's row in two halves of the loss, each with its own backward: the
+    gradients accumulate, and each half of a part reduced last is summed across the replicas once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from linnet.torch import fully_shard
+    from linnet.torch.shard import gathered_weights
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(load(card, compile=compile), mesh=mesh)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
+    data = rows(world)
+    for step in range(STEPS):
+        row = data[step * world + rank]
+        for half in (0.25, 0.75):
+            (half * model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in FIELDS])).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_a_users_own_loop_on_a_2d_mesh_trains_on_the_mean_of_the_ranks_losses(card, compile):
+    expected = mean_of_the_ranks_losses(card, 4)
+    for weights in run(own_loop_on_a_mesh, 4, card, compile, timeout=900 if compile else 300):
+        for name, tensor in weights.items():
+            assert relative_error(tensor, expected[name].numpy()) < 1e-5, name
 
 
 def rows_across(world: int) -> list:

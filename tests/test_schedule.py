@@ -193,16 +193,19 @@ def test_with_replicas_each_all_reduce_runs_under_the_layers_below(card):
     """Hybrid sharding, 2 replicas of 2 shards: each part's reduce-scatter carries the sum across the
     replicas that follows it (launched by the op when the reduce-scatter ends), and is waited for only
     where the backward ends, after the looked-up embedding's gradient, so each runs under the backward
-    of the layers below it. The embedding's part is not all-reduced: its rows' gradients are gathered
-    across the replicas, then inside the shard group."""
+    of the layers below it. The lowest layer's has none below it: it stays inside the shard group (its sum
+    across the replicas follows the backward, tests/test_hybrid.py). The embedding's part is not
+    all-reduced: its rows' gradients are gathered across the replicas, then inside the shard group."""
     _, backward, gathered_size, part_size, *_ = run(generated_code, 1, card, 1, 4, (2, 2), timeout=600)[0]
     lines = backward.splitlines()
     assert "_c10d_functional.all_reduce" not in backward
     code = parse(backward, gathered_size, part_size)
     reductions = [(n, line) for n, line in enumerate(lines) if "= torch.ops.linnet.reduce_scatter.default(" in line]
     assert len(reductions) == LAYERS + 1  # the layers' and the head's
-    for _, line in reductions:  # (full, op, dtype, shard ranks, shard group, replicate group, replicas)
+    *above, (_, lowest) = reductions  # (full, op, dtype, shard ranks, shard group, replicate group, replicas)
+    for _, line in above:
         assert re.search(r"reduce_scatter\.default\(\w+, 'avg', torch\.float32, 2, '\w+', '\w+', 2\)", line), line
+    assert re.search(r"reduce_scatter\.default\(\w+, 'avg', torch\.float32, 2, '\w+'\)", lowest), lowest  # no replicas
     rows = [n for n, line in enumerate(lines) if "_c10d_functional.all_gather_into_tensor.default(" in line]
     assert len(rows) == 2  # the rows' gradients: across the replicas, then inside the shard group
     waits = [code.wait(_result(lines, n)[0]) for n, _ in reductions]

@@ -42,7 +42,12 @@ chains to its end (a side stream waits for it), and
 (the first line of the function that holds the loop, so that its backward
 comes last, after the embedding's) waits for every part's all-reduce where
 the backward ends: each runs under the backward of the layers below, and
-`hold` hands the gradient on without waiting.
+`hold` hands the gradient on without waiting. The first layer has no layers
+below it: its launch says `late=True`, and so does the gather of a group that
+an entry gathers first (the tied embedding). Their reductions stay inside the
+machine, and the sum across the replicas follows the backward
+(linnet/torch/replicas.py), under the optimizer's step of the other parts
+where `train` steps it, instead of ending the backward with nothing to hide it.
 
 The functions the lines call (hold, launch_gather, wait_gather, launch_of,
 after, across_replicas) are bound by linnet/torch/shard.py."""
@@ -63,6 +68,11 @@ class Schedule:
             raise ValueError(f"prefetch must be a whole number of layers >= 0, got {self.prefetch!r}")
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas must be a whole number >= 1, got {self.replicas!r}")
+
+    @property
+    def reduces_late(self) -> bool:
+        """Whether the parts reduced last leave their sum across the replicas to after the backward (`late=True`)."""
+        return self.replicas > 1 and self.communicates
 
     def describe(self) -> str:
         """The schedule in the generated module's first line."""
@@ -90,7 +100,8 @@ class Schedule:
             return []
         return [
             f"{indent}# Across the {self.replicas} replicas: each layer's gradient is summed as soon as its",
-            f"{indent}# reduce-scatter ends, and waited for where the backward ends.",
+            f"{indent}# reduce-scatter ends, and waited for where the backward ends; the first layer's",
+            f"{indent}# (late: reduced last) is summed after the backward.",
             f"{indent}parts = across_replicas({layers})  # the layer loop's",
             *([f"{indent}params[{then[0]!r}] = across_replicas(params[{then[0]!r}])"] if then is not None and self.prefetch > 0 else []),
         ]
@@ -105,6 +116,7 @@ class Schedule:
         (params key, group name) of the group the caller reads next, or None."""
         d, inner = self.prefetch, indent + "    "
         keep = f", keep=i + {d} >= len(parts) - {d + 1}" if d > 0 else ""
+        keep += f", late=i == {-d}" if self.reduces_late else ""
         lines = [
             *(f"{indent}# {line}" for line in self._explained()),
             *([f"{indent}parts = {layers}"] if self.replicas == 1 else []),  # else made by replica_waits

@@ -92,6 +92,19 @@ def emit(
     return "\n".join(lines) + "\n"
 
 
+def reduced_last(checked: Checked, schedule: Schedule) -> list[tuple[str, int | None]]:
+    """The parts whose gradients sharded code under `schedule` reduces last, and marks `late=True`:
+    (params key, 0) for the first layer of each group a layer loop runs over, (params key, None) for
+    each group an entry gathers first (the tied embedding). None without replicas."""
+    if not schedule.reduces_late:
+        return []
+    program = checked.program
+    looped = {n.iter.id for f in program.functions.values() for s in f.body for n in ast.walk(s) if isinstance(n, ast.For)}
+    writer = _Writer(checked, None, True, True, schedule)
+    return [(program.groups[name].key, 0) for name in sorted(looped)] + \
+        [(program.groups[name].key, None) for name in sorted(writer.late)]
+
+
 def _calls(function: FunctionDecl) -> set[str]:
     return set().union(*(_calls_in(s) for s in function.body))
 
@@ -157,6 +170,7 @@ class _Writer:
         communicates = schedule is not None and schedule.communicates
         self.looked_up = self._tables_only() if communicates else {}
         self.then = self._read_after_loops() if communicates and schedule.prefetch > 0 else {}
+        self.late = set(self.shared) if schedule is not None and schedule.reduces_late else set()
 
     def _layer_functions(self) -> set[str]:
         """The functions a layer loop calls: `layer` in `for w in Layers: x = layer(x, w, ...)`."""
@@ -280,8 +294,9 @@ class _Writer:
         if function.name in self.program.entries:
             reached = {g.name for f in _needed_functions(self.checked, [function.name]) for g in self._singletons_read(f)}
             for group in (g for g in self.shared.values() if g.name in reached):
-                lines.append(f"    params = {{**params, {group.key!r}: gather(params[{group.key!r}], {group.name!r})}}"
-                             "  # read by several functions: gathered once")
+                late = (", late=True", ", reduced last") if group.name in self.late else ("", "")
+                lines.append(f"    params = {{**params, {group.key!r}: gather(params[{group.key!r}], {group.name!r}{late[0]})}}"
+                             f"  # read by several functions: gathered once{late[1]}")
             if any(g.name in reached for g in self.then.values()) and len(lines) == 1:
                 lines.append("    params = {**params}  # a copy, which the layer loop puts its launch of the next group in")
         for loop in (s for s in function.body if isinstance(s, ast.For) and self.schedule is not None):

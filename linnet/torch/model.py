@@ -25,6 +25,7 @@ class TorchModel(LoadedModel):
             device = torch.device("cuda", torch.cuda.current_device())
         self.trainable, self.compile_mode, self.device = trainable, compile, device
         self.sharding = None  # set by linnet.torch.fully_shard
+        self.late_parts = None  # set by fully_shard with replicas: the parts reduced last (linnet/torch/replicas.py)
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)

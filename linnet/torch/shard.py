@@ -41,8 +41,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from linnet import agree, watchdog
 from linnet.emit.schedule import Schedule
+from linnet.emit.source import reduced_last
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
+from linnet.torch.replicas import LateParts
 from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, group_specs
 
 ALIGN = 16  # elements: each tensor of a group starts on a 64-byte boundary in f32
@@ -106,7 +108,9 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     each replica holds the same parts: a part's gradient is reduce-scattered inside its shard group,
     then averaged across the replicas (compiled: an all-reduce launched when the reduce-scatter ends
     and waited for where the backward ends, under the layers below; eager: at once). An untied
-    embedding's part is not all-reduced: its rows' gradients are gathered from every rank.
+    embedding's part is not all-reduced: its rows' gradients are gathered from every rank. The parts
+    reduced last (the first layer's, a tied embedding's) are averaged across the replicas after the
+    backward (linnet/torch/replicas.py): in `train`, under the optimizer's step of the other parts.
 
     recompute: "gather" keeps each layer's activations and gathers its weights
     again in the backward; "matmuls" keeps only the outputs of its matrix
@@ -161,6 +165,10 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
                               reduce_dtype if world * replicas > 1 else torch.float32, schedule,
                               None if replicate is None else replicate.group_name, replicas, replica)
     model._install(model.emit(schedule=schedule), _bindings(model.sharding))
+    late = [model.params[key] if index is None else model.params[key][index]
+            for key, index in reduced_last(checked, schedule)]
+    if late and model.trainable:
+        model.late_parts = LateParts(late, model.sharding.reduce_dtype, replicate.group_name, replicas)
     return model
 
 
@@ -266,11 +274,19 @@ def _bindings(sharding: Sharding) -> dict:
     }
 
 
-def _all_gather(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gather whose backward averages the gradient over this shard group and across the replicas."""
+def _across(sharding: Sharding, late: bool) -> tuple[str, int]:
+    """(replicate group name, replicas) that a part's reduction goes on across: none for a part reduced
+    last (`late`), whose sum across the replicas follows the backward (linnet/torch/replicas.py)."""
+    return ("", 1) if late else (sharding.replicate_group_name or "", sharding.replicas)
+
+
+def _all_gather(sharding: Sharding, part: torch.Tensor, late: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gather whose backward averages the gradient over this shard group and across the replicas
+    (only over this shard group where `late`)."""
+    replicate_group_name, replicas = _across(sharding, late)
     return ops.all_gather(part, sharding.compute_dtype, sharding.world, sharding.group_name, reduce_op="avg",
-                          reduce_dtype=sharding.reduce_dtype, replicate_group_name=sharding.replicate_group_name or "",
-                          replicas=sharding.replicas)
+                          reduce_dtype=sharding.reduce_dtype, replicate_group_name=replicate_group_name,
+                          replicas=replicas)
 
 
 def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
@@ -278,9 +294,10 @@ def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torc
     return dict(zip(layout.names, ops.group_views(full, list(layout.offsets), layout.shapes)))
 
 
-def _gather(sharding: Sharding, part: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
-    """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once."""
-    return _views(sharding, ops.wait(_all_gather(sharding, part)[0]), group)
+def _gather(sharding: Sharding, part: torch.Tensor, group: str, late: bool = False) -> dict[str, torch.Tensor]:
+    """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once.
+    late: the part is reduced last, its sum across the replicas left to after the backward."""
+    return _views(sharding, ops.wait(_all_gather(sharding, part, late)[0]), group)
 
 
 class Launched(NamedTuple):
@@ -289,12 +306,14 @@ class Launched(NamedTuple):
     part: torch.Tensor  # what the gradient goes to (the launch reads it detached)
     gathered: torch.Tensor  # valid once waited for
     token: torch.Tensor  # made by the launch: what work ordered after it depends on
+    late: bool = False  # reduced last: summed across the replicas after the backward
 
 
 class Pending(NamedTuple):
     """A gather in eager code: launched where it is waited for."""
 
     part: torch.Tensor
+    late: bool = False
 
 
 class _Hold(torch.autograd.Function):
@@ -347,26 +366,28 @@ def _launch(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch
     return ops.all_gather(part.detach(), sharding.compute_dtype, sharding.world, sharding.group_name)
 
 
-def _launch_gather(sharding: Sharding, part: torch.Tensor, group: str, keep: bool = False) -> Launched | Pending:
+def _launch_gather(sharding: Sharding, part: torch.Tensor, group: str, keep: bool = False,
+                   late: bool = False) -> Launched | Pending:
     """keep: the gathered buffer is kept for the backward (the groups whose backward comes first);
-    otherwise the backward launches the gather again."""
+    otherwise the backward launches the gather again. late: the part is reduced last (the first
+    layer's), its sum across the replicas left to after the backward."""
     if not torch.compiler.is_compiling():
-        return Pending(part)
+        return Pending(part, late)
     if keep:
-        return Launched(part, *_launch(sharding, part))
+        return Launched(part, *_launch(sharding, part), late)
     # A region of its own, so that the launch is recomputed in the backward (where its token is
     # first needed) rather than its buffer kept from the forward.
     gathered, token = checkpoint(_launch, sharding, part, use_reentrant=False,
                                  context_fn=partial(create_selective_checkpoint_contexts, _recompute_all))
-    return Launched(part, gathered, token)
+    return Launched(part, gathered, token, late)
 
 
 def _wait_gather(sharding: Sharding, launched: Launched | Pending, group: str) -> dict[str, torch.Tensor]:
     """The launched group's weights, once its gather is done."""
     if isinstance(launched, Pending):
-        return _gather(sharding, launched.part, group)
+        return _gather(sharding, launched.part, group, launched.late)
     full = ops.wait_gathered(launched.gathered, launched.part, "avg", sharding.reduce_dtype, sharding.world,
-                             sharding.group_name, sharding.replicate_group_name or "", sharding.replicas)
+                             sharding.group_name, *_across(sharding, launched.late))
     return _views(sharding, full, group)
 
 
