@@ -226,6 +226,34 @@ def test_the_matmuls_policy_keeps_products_and_recomputes_the_rest(card, world):
     assert not {"aten.silu.default", "aten.rsqrt.default"} & kept_all  # which "gather" keeps
 
 
+def backward_products(rank: int, world: int, card, recompute: str, layers_once: str | None = None) -> tuple[int, int]:
+    """The matrix products inductor's code runs in one compiled step's forward and in its backward."""
+    import os
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from linnet.torch import fully_shard
+
+    if layers_once is not None:
+        os.environ["LINNET_COMPILE_LAYERS_ONCE"] = layers_once
+    model = fully_shard(load(card, compile="inductor"), recompute=recompute)
+    data = rows(world)[rank]
+    _, (forward, backward) = run_and_get_code(
+        lambda: model.loss_packed(*[torch.from_numpy(getattr(data, f))[None] for f in FIELDS]).backward())
+    return tuple(len(re.findall(r"extern_kernels\.b?mm\(", code)) for code in (forward, backward))
+
+
+def test_compiled_the_matmuls_policy_recomputes_no_product(card):
+    """On one rank a layer is compiled once for "gather" and "full"; not for "matmuls", whose policy would see
+    the layer's region as one op and recompute all of it: its backward runs the products that "gather"'s
+    runs with the layers unrolled too; "full"'s runs the forward's layers' products again."""
+    forward, matmuls = run(backward_products, 1, card, "matmuls", timeout=600)[0]
+    unrolled = [run(backward_products, 1, card, recompute, "0", timeout=600)[0] for recompute in ("gather", "full")]
+    assert unrolled[0] == (forward, matmuls)
+    assert unrolled[1][1] > matmuls
+
+
 def schedules(rank: int, world: int, card, configurations: list) -> list:
     """sharded_training under each (compile, recompute, prefetch), one after another in the same ranks.
     One thread a rank: inductor's CPU kernels then add each embedding gradient in one order."""
