@@ -95,15 +95,19 @@ def several_gpus(world: int):
     return pytest.mark.skipif(torch.cuda.device_count() < world, reason=f"needs {world} GPUs")
 
 
-def nccl_training(rank: int, world: int, card, compile: str | None, prefetch: int, folder: str | None):
-    """test_fully_shard's sharded training, on GPU `rank` over NCCL; then save_weights into `folder`."""
+def nccl_training(rank: int, world: int, card, compile: str | None, prefetch: int, folder: str | None,
+                  mesh: tuple[int, int] | None = None):
+    """test_fully_shard's sharded training, on GPU `rank` over NCCL (on a ("replicate", "shard") mesh of
+    shape `mesh` if given); then save_weights into `folder`."""
     from test_fully_shard import EPS, LR, STEPS, load, rows as global_rows
+    from torch.distributed.device_mesh import init_device_mesh
 
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
     from linnet.train import train
 
-    model = fully_shard(load(card, compile=compile, device="cuda"), prefetch=prefetch)
+    mesh = None if mesh is None else init_device_mesh("cuda", mesh, mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(load(card, compile=compile, device="cuda"), prefetch=prefetch, mesh=mesh)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     history = train(model, iter(global_rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
     weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
@@ -139,3 +143,24 @@ def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path,
     state = loaded.state_dict()
     for name, tensor in results[0][1].items():
         torch.testing.assert_close(state[name].to(torch.bfloat16), torch.from_numpy(tensor).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("mesh", [pytest.param((2, 1), marks=several_gpus(2)), pytest.param((2, 2), marks=several_gpus(4))])
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_hybrid_training_over_nccl_equals_one_process(tmp_path, mesh, compile):
+    """Hybrid sharding over NCCL: the all-reduce across the replicas that a reduce-scatter launches on a
+    side stream when it ends, and the sums of the parts reduced last that train launches after the
+    backward, under the optimizer's step of the other parts (linnet/torch/replicas.py), train as one
+    process does, to test_sharded_training_over_nccl_on_several_gpus_equals_one_process's bounds."""
+    from distributed import run
+    from test_fully_shard import reference, relative_error
+    from hf_models import write_tied_card
+
+    (tmp_path / "card").mkdir()
+    card = write_tied_card(tmp_path / "card")
+    world = mesh[0] * mesh[1]
+    expected_losses, expected_weights = reference(card, world, device="cuda")
+    for losses, weights in run(nccl_training, world, card, compile, 1, None, mesh, timeout=900, backend="nccl"):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+        for name, tensor in weights.items():
+            assert relative_error(tensor, expected_weights[name].numpy()) < 1e-4, name
