@@ -31,7 +31,7 @@ from linnet import watchdog
 from linnet.agree import cpu_group, raise_together
 from linnet.history import History, Progress, Step
 from linnet.packing import Example, Row, pack
-from linnet.torch.replicas import step_after_backward
+from linnet.torch.replicas import backward_and_step
 
 __all__ = ["Example", "pack", "cosine_schedule", "train", "evaluate", "History", "Step"]
 
@@ -228,7 +228,7 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
         raise_together(problem, ranks_with_problems)
         loss = _loss(model, row, device, causal=ranks_one_document == world)
         # scaled so that the gradients averaged over ranks are those of the global weighted mean
-        step_after_backward(model, loss * (world * local_weight / max(total_weight, 1e-12)), optimizer)
+        backward_and_step(model, loss * (world * local_weight / max(total_weight, 1e-12)), optimizer)
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
         if schedule is not None:

@@ -235,6 +235,7 @@ def backward_products(rank: int, world: int, card, recompute: str, layers_once: 
 
     from linnet.torch import fully_shard
 
+    os.environ.pop("LINNET_COMPILE_LAYERS_ONCE", None)  # the default, unless set
     if layers_once is not None:
         os.environ["LINNET_COMPILE_LAYERS_ONCE"] = layers_once
     model = fully_shard(load(card, compile="inductor"), recompute=recompute)
@@ -606,12 +607,15 @@ def region_refused(rank: int, world: int, card):
     model = load(card, compile="inductor")
     with pytest.raises(ValueError, match="recompute='gather' over 2 ranks.*leak"):
         fully_shard(model, recompute="gather")
-    assert fully_shard(model, recompute="full").layer_region  # the refusal left the model as it was
+    with pytest.raises(ValueError, match="recompute='matmuls'.*recompute all of it.*use recompute='full', or unset"):
+        fully_shard(model, recompute="matmuls")
+    assert fully_shard(model, recompute="full").layer_region  # the refusals left the model as it was
 
 
 def test_a_layer_compiled_once_is_refused_where_the_backward_gathers_again(deep_card, monkeypatch):
     """A region keeps every input its backward reads: with recompute "gather" over several ranks the
     gathered weights would be kept and the backward's second gather never waited for (each step leaked
-    3 gathers here, measured before the refusal), so fully_shard says so instead."""
+    3 gathers here, measured before the refusal), so fully_shard says so instead; and "matmuls", whose
+    policy would see the region as one op, is refused too."""
     monkeypatch.setenv("LINNET_COMPILE_LAYERS_ONCE", "1")
     run(region_refused, 2, deep_card)

@@ -148,10 +148,11 @@ def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path,
 @pytest.mark.parametrize("mesh", [pytest.param((2, 1), marks=several_gpus(2)), pytest.param((2, 2), marks=several_gpus(4))])
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_hybrid_training_over_nccl_equals_one_process(tmp_path, mesh, compile):
-    """Hybrid sharding over NCCL: the all-reduce across the replicas that a reduce-scatter launches on a
-    side stream when it ends, and the sums of the parts reduced last that train launches after the
-    backward, under the optimizer's step of the other parts (linnet/torch/replicas.py), train as one
-    process does, to test_sharded_training_over_nccl_on_several_gpus_equals_one_process's bounds."""
+    """Hybrid sharding over NCCL trains as one process does, to the bounds of
+    test_sharded_training_over_nccl_on_several_gpus_equals_one_process: on 2 x 1 (no shard group to
+    speak of) each gather's reduction across the replicas; on 2 x 2 the all-reduce across the replicas
+    that a reduce-scatter launches on a side stream when it ends, and the means of the late parts that
+    train launches after the backward, under the optimizer's step of the other parts (linnet/torch/replicas.py)."""
     from distributed import run
     from test_fully_shard import reference, relative_error
     from hf_models import write_tied_card

@@ -116,7 +116,7 @@ class Schedule:
         (params key, group name) of the group the caller reads next, or None."""
         d, inner = self.prefetch, indent + "    "
         keep = f", keep=i + {d} >= len(parts) - {d + 1}" if d > 0 else ""
-        keep += f", late=i == {-d}" if self.reduces_late else ""
+        keep += f", late=(i == {-d})" if self.reduces_late else ""  # the first layer's: reduced last
         lines = [
             *(f"{indent}# {line}" for line in self._explained()),
             *([f"{indent}parts = {layers}"] if self.replicas == 1 else []),  # else made by replica_waits

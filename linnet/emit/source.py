@@ -92,17 +92,15 @@ def emit(
     return "\n".join(lines) + "\n"
 
 
-def reduced_last(checked: Checked, schedule: Schedule) -> list[tuple[str, int | None]]:
-    """The parts whose gradients sharded code under `schedule` reduces last, and marks `late=True`:
-    (params key, 0) for the first layer of each group a layer loop runs over, (params key, None) for
-    each group an entry gathers first (the tied embedding). None without replicas."""
-    if not schedule.reduces_late:
-        return []
-    program = checked.program
-    looped = {n.iter.id for f in program.functions.values() for s in f.body for n in ast.walk(s) if isinstance(n, ast.For)}
-    writer = _Writer(checked, None, True, True, schedule)
-    return [(program.groups[name].key, 0) for name in sorted(looped)] + \
-        [(program.groups[name].key, None) for name in sorted(writer.late)]
+def late_parts(checked: Checked, backend: Backend, schedule: Schedule, entries: list[str]) -> list[tuple[str, int | None]]:
+    """The parts that the sharded code of `entries` marks `late=True` (reduced last: their mean across the
+    replicas is left to after the backward, linnet/torch/replicas.py), as the emitter writes them:
+    (params key, 0) for the first layer of a group a layer loop runs over, (params key, None) for a group
+    an entry gathers first (the tied embedding). Empty without replicas."""
+    writer = _Writer(checked, backend, True, True, schedule)
+    for function in _needed_functions(checked, entries):
+        writer.function(function)
+    return writer.late_written
 
 
 def _calls(function: FunctionDecl) -> set[str]:
@@ -171,6 +169,11 @@ class _Writer:
         self.looked_up = self._tables_only() if communicates else {}
         self.then = self._read_after_loops() if communicates and schedule.prefetch > 0 else {}
         self.late = set(self.shared) if schedule is not None and schedule.reduces_late else set()
+        self.late_written: list[tuple[str, int | None]] = []  # the parts marked late=True, as written
+
+    def _wrote_late(self, key: str, index: int | None) -> None:
+        if (key, index) not in self.late_written:
+            self.late_written.append((key, index))
 
     def _layer_functions(self) -> set[str]:
         """The functions a layer loop calls: `layer` in `for w in Layers: x = layer(x, w, ...)`."""
@@ -295,6 +298,8 @@ class _Writer:
             reached = {g.name for f in _needed_functions(self.checked, [function.name]) for g in self._singletons_read(f)}
             for group in (g for g in self.shared.values() if g.name in reached):
                 late = (", late=True", ", reduced last") if group.name in self.late else ("", "")
+                if group.name in self.late:
+                    self._wrote_late(group.key, None)
                 lines.append(f"    params = {{**params, {group.key!r}: gather(params[{group.key!r}], {group.name!r}{late[0]})}}"
                              f"  # read by several functions: gathered once{late[1]}")
             if any(g.name in reached for g in self.then.values()) and len(lines) == 1:
@@ -321,6 +326,8 @@ class _Writer:
                 if self.schedule is not None and self.schedule.communicates:
                     body = self.block(statement.body, function, inner, set(fetched), indent="")
                     then = self.then.get(function.name)
+                    if self.schedule.reduces_late:  # the loop's first layer: see Schedule.layer_loop
+                        self._wrote_late(group.key, 0)
                     lines += self.schedule.layer_loop(layers=f"params[{group.key!r}]", group=group.name,
                                                       loop_var=statement.target.id, carried=_carried(statement),
                                                       body=body, indent=indent,

@@ -46,17 +46,19 @@ class TorchModel(LoadedModel):
         Refused where the backward gathers a layer's weights again (recompute "gather" or "matmuls" over
         several ranks): a region keeps every input its backward reads from the forward, so the gathered
         weights would be kept and the gather the backward launches again never waited for (a leak a
-        layer a step). Never with recompute "matmuls": to the checkpoint's policy the region's call is one op,
-        not a product, so the whole layer, its products too, would be recomputed, as "full" does (at 8B
-        "matmuls" took 0.539 s a step against "full"'s 0.542 so). fully_shard asks before it changes the model."""
+        layer a step). Never with recompute "matmuls", on any number of ranks: to the checkpoint's policy
+        the region's call is one op, not a product, so the whole layer, its products too, would be
+        recomputed as "full" recomputes it (8B, one rank: 0.539 s a step against "full"'s 0.542 s).
+        fully_shard asks before it changes the model."""
         setting = os.environ.get("LINNET_COMPILE_LAYERS_ONCE")
         if self.compile_mode != "inductor" or setting == "0":
             return False
         if recompute == "matmuls":
             if setting == "1":
+                other = "'full' or 'gather'" if ranks == 1 else "'full'"
                 raise ValueError("LINNET_COMPILE_LAYERS_ONCE=1 with recompute='matmuls': the checkpoint's policy sees a "
                                  "layer compiled once as one op, and would recompute all of it, its products too; use "
-                                 "recompute='full' or 'gather', or unset LINNET_COMPILE_LAYERS_ONCE")
+                                 f"recompute={other}, or unset LINNET_COMPILE_LAYERS_ONCE")
             return False
         if setting != "1" or ranks == 1:
             return ranks == 1

@@ -1,4 +1,4 @@
-"""The sum across replicas of the parts that the backward reduces last.
+"""The mean across replicas of the parts that the backward reduces last.
 
 With hybrid sharding a part's gradient is reduce-scattered inside its machine
 and then all-reduced across the machines, the two chained by the compiled
@@ -6,25 +6,30 @@ backward under the backward of the layers below (linnet/emit/schedule.py).
 The parts reduced last have nothing left below them: the first layer's, and
 a group that each entry gathers first (the tied embedding). Their all-reduce
 would end the backward with the device waiting on the slow link. So the
-generated code marks them `late=True`, their compiled reduction stays inside
-the machine, and their sum across the replicas follows the backward:
+generated code marks them `late=True` (linnet.emit.source.late_parts says
+which), their compiled reduction stays inside the machine, and their mean
+across the replicas follows the backward:
 
-- at once, by a hook on each such part (on the gradient as it reaches the
+- at once, by a hook on each late part (on the gradient as it reaches the
   part, before it is accumulated): a user's own loop gets the gradients it
-  expects, through any number of backward passes;
-- in `step_after_backward` (what linnet.train calls), under the optimizer's
+  expects, through any number of backward passes. There the late parts'
+  all-reduces are waited for one by one where the backward ends, with
+  nothing under them;
+- in `backward_and_step` (what linnet.train calls), under the optimizer's
   step of every other part: their all-reduces are launched once the backward
   is done, the optimizer steps the other parts, and then, once the
-  all-reduces are done, these. That is the same update as one step for an
-  optimizer whose update of a parameter reads that parameter's gradient and
-  state alone (`PER_PARAMETER`); any other optimizer gets one step after the
-  hooks' sums, as in a user's loop."""
+  all-reduces are done, the late ones. That is the same update as one step
+  for an optimizer whose update of a parameter reads that parameter's
+  gradient and state alone (`PER_PARAMETER`), and whose step has no hooks
+  (which would run twice); any other optimizer gets one step after the
+  hooks' means, as in a user's loop."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
+from torch.optim import optimizer as optimizer_module
 
 from linnet.torch import ops
 
@@ -37,30 +42,32 @@ PER_PARAMETER = frozenset({
 
 
 class LateParts:
-    """The parts reduced last of one sharded model, and the sum of their gradients across the replicas."""
+    """The late parts of one sharded model, and the mean of their gradients across the replicas."""
 
     def __init__(self, parts: list[torch.nn.Parameter], reduce_dtype: torch.dtype, replicate_group_name: str,
                  replicas: int):
         self.parts, self.reduce_dtype = parts, reduce_dtype
         self.replicate_group_name, self.replicas = replicate_group_name, replicas
         self._deferred = False
-        for part in parts:
-            part.register_hook(self._sum_now)
+        self.hooks = [part.register_hook(self._average_now) for part in parts]
 
-    def launch(self, gradient: torch.Tensor) -> torch.Tensor:
-        """The gradient's mean across the replicas (it is already the shard group's mean), in `reduce_dtype`,
-        launched; `ops.wait` it before reading. `gradient` may be dropped once this returns."""
+    def launch_average(self, gradient: torch.Tensor) -> torch.Tensor:
+        """The gradient's mean across the replicas (it is already its shard group's mean), reduced in
+        `reduce_dtype`, launched: `ops.wait` it before reading it. The gradient may be dropped once this
+        returns. The reduction is `ops.reduce_scatter`'s over a shard group of one rank (a copy into a
+        buffer of its own, scaled by 1 / replicas), followed by its all-reduce across the replicas."""
         return ops.reduce_scatter(gradient.detach(), "avg", self.reduce_dtype, 1, "", self.replicate_group_name,
                                   self.replicas)
 
-    def _sum_now(self, gradient: torch.Tensor) -> torch.Tensor | None:
+    def _average_now(self, gradient: torch.Tensor) -> torch.Tensor | None:
         if self._deferred:
             return None
-        return ops.wait(self.launch(gradient))
+        return ops.wait(self.launch_average(gradient))
 
     @contextmanager
     def deferred(self):
-        """Backward passes inside leave these parts' gradients as the shard group's: the caller sums them."""
+        """Backward passes inside leave the late parts' gradients as their shard group's mean: the caller
+        averages them across the replicas."""
         self._deferred = True
         try:
             yield self
@@ -68,21 +75,33 @@ class LateParts:
             self._deferred = False
 
 
-def step_after_backward(model, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-    """loss.backward(), then optimizer.step(): with parts reduced last and an optimizer of `PER_PARAMETER`,
-    in two parts, the parts reduced last stepped once their sums across the replicas are done."""
+def _steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether two step() calls over disjoint parameters are one step of all of them."""
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+             optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks)
+    return type(optimizer) in PER_PARAMETER and not any(hooks)
+
+
+def backward_and_step(model, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """loss.backward(), then optimizer.step(); where the model has late parts and the optimizer steps each
+    parameter alone, the late parts are stepped second, once their means across the replicas, which run
+    under the first step, are done. The caller zeroes the gradients after (the first step's are already
+    dropped)."""
     late: LateParts | None = model.late_parts
-    if late is None or type(optimizer) not in PER_PARAMETER:
+    if late is None or not _steps_each_parameter_alone(optimizer):
         loss.backward()
         optimizer.step()
         return
     with late.deferred():
         loss.backward()
-    launched = [(part, late.launch(part.grad)) for part in late.parts if part.grad is not None]
+    # Every rank launches the same all-reduces in the same order: a part without a gradient (none, as
+    # every rank runs the same code) would take zeros rather than skip a collective the others make.
+    launched = [(part, late.launch_average(part.grad if part.grad is not None else torch.zeros_like(part)))
+                for part in late.parts]
     for part, _ in launched:
         part.grad = None  # stepped second
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    for part, summed in launched:
-        part.grad = ops.wait(summed)
+    for part, mean in launched:
+        part.grad = ops.wait(mean)
     optimizer.step()

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from linnet import agree, watchdog
 from linnet.emit.schedule import Schedule
-from linnet.emit.source import reduced_last
+from linnet.emit.source import late_parts
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
 from linnet.torch.replicas import LateParts
@@ -166,8 +166,8 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
                               None if replicate is None else replicate.group_name, replicas, replica)
     model._install(model.emit(schedule=schedule), _bindings(model.sharding))
     late = [model.params[key] if index is None else model.params[key][index]
-            for key, index in reduced_last(checked, schedule)]
-    if late and model.trainable:
+            for key, index in late_parts(checked, model.backend, schedule, model.entries)]
+    if late and model.trainable:  # (untrainable parts take no gradient, and no hook)
         model.late_parts = LateParts(late, model.sharding.reduce_dtype, replicate.group_name, replicas)
     return model
 
