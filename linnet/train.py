@@ -13,7 +13,7 @@ travels on the CPU (agree.cpu_group), and a step's loss and time (CUDA events)
 are read once the next step is launched, so the device never idles between
 steps waiting for the host. A step is reported then, and before a checkpoint.
 With hybrid sharding the optimizer steps the parts reduced last (the first
-layer's) after the others, under whose step their sum across the machines
+layer's) after the others, under whose step their mean across the machines
 runs (linnet/torch/replicas.py)."""
 
 from __future__ import annotations

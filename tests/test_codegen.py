@@ -80,6 +80,12 @@ def test_cli_prints_cards_and_source(capsys):
     assert ("    parts = across_replicas(params['layers'])  # the layer loop's\n"
             "    params['head'] = across_replicas(params['head'])\n"
             "    x = lookup(tokens, params['embedding'], 'Embedding', 'embed_tokens')") in source
+    # The first layer is reduced last: its mean across the replicas follows the backward (late), as a tied
+    # embedding's does, which each entry gathers first.
+    assert "launch_gather(part, 'Layer', keep=i + 1 >= len(parts) - 2, late=(i == -1))" in source
+    assert main(["torch", "llama-3.2-1b", "--fully-shard", "--replicas", "2", "--entry", "loss_packed"]) == 0
+    source = capsys.readouterr().out
+    assert "params = {**params, 'embedding': gather(params['embedding'], 'Embedding', late=True)}" in source
 
 
 # Parameter counts of the published models (transformers' LlamaForCausalLM with each config.json).

@@ -45,7 +45,7 @@ the backward ends: each runs under the backward of the layers below, and
 `hold` hands the gradient on without waiting. The first layer has no layers
 below it: its launch says `late=True`, and so does the gather of a group that
 an entry gathers first (the tied embedding). Their reductions stay inside the
-machine, and the sum across the replicas follows the backward
+machine, and the mean across the replicas follows the backward
 (linnet/torch/replicas.py), under the optimizer's step of the other parts
 where `train` steps it, instead of ending the backward with nothing to hide it.
 
@@ -71,7 +71,7 @@ class Schedule:
 
     @property
     def reduces_late(self) -> bool:
-        """Whether the parts reduced last leave their sum across the replicas to after the backward (`late=True`)."""
+        """Whether the parts reduced last leave their mean across the replicas to after the backward (`late=True`)."""
         return self.replicas > 1 and self.communicates
 
     def describe(self) -> str:
@@ -101,7 +101,7 @@ class Schedule:
         return [
             f"{indent}# Across the {self.replicas} replicas: each layer's gradient is summed as soon as its",
             f"{indent}# reduce-scatter ends, and waited for where the backward ends; the first layer's",
-            f"{indent}# (late: reduced last) is summed after the backward.",
+            f"{indent}# (late: reduced last) after the backward.",
             f"{indent}parts = across_replicas({layers})  # the layer loop's",
             *([f"{indent}params[{then[0]!r}] = across_replicas(params[{then[0]!r}])"] if then is not None and self.prefetch > 0 else []),
         ]

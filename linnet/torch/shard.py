@@ -276,7 +276,7 @@ def _bindings(sharding: Sharding) -> dict:
 
 def _across(sharding: Sharding, late: bool) -> tuple[str, int]:
     """(replicate group name, replicas) that a part's reduction goes on across: none for a part reduced
-    last (`late`), whose sum across the replicas follows the backward (linnet/torch/replicas.py)."""
+    last (`late`), whose mean across the replicas follows the backward (linnet/torch/replicas.py)."""
     return ("", 1) if late else (sharding.replicate_group_name or "", sharding.replicas)
 
 
@@ -296,7 +296,7 @@ def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torc
 
 def _gather(sharding: Sharding, part: torch.Tensor, group: str, late: bool = False) -> dict[str, torch.Tensor]:
     """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once.
-    late: the part is reduced last, its sum across the replicas left to after the backward."""
+    late: the part is reduced last, its mean across the replicas left to after the backward."""
     return _views(sharding, ops.wait(_all_gather(sharding, part, late)[0]), group)
 
 
@@ -306,7 +306,7 @@ class Launched(NamedTuple):
     part: torch.Tensor  # what the gradient goes to (the launch reads it detached)
     gathered: torch.Tensor  # valid once waited for
     token: torch.Tensor  # made by the launch: what work ordered after it depends on
-    late: bool = False  # reduced last: summed across the replicas after the backward
+    late: bool = False  # reduced last: averaged across the replicas after the backward
 
 
 class Pending(NamedTuple):
@@ -370,7 +370,7 @@ def _launch_gather(sharding: Sharding, part: torch.Tensor, group: str, keep: boo
                    late: bool = False) -> Launched | Pending:
     """keep: the gathered buffer is kept for the backward (the groups whose backward comes first);
     otherwise the backward launches the gather again. late: the part is reduced last (the first
-    layer's), its sum across the replicas left to after the backward."""
+    layer's), its mean across the replicas left to after the backward."""
     if not torch.compiler.is_compiling():
         return Pending(part, late)
     if keep:
