@@ -17,17 +17,23 @@ from test_fully_shard import (EPS, FIELDS, LR, STEPS, card, load, mean_of_the_ra
                              relative_error, rows, untied)
 
 
-def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str, prefetch: int,
-                    reduce_dtype: torch.dtype = torch.float32):
+def on_a_mesh(card, shape: tuple[int, int] = (2, 2), compile: str | None = None, **settings):
+    """The card loaded (load's settings) and sharded on a ("replicate", "shard") mesh of `shape` (with
+    fully_shard's `settings`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from linnet.torch import fully_shard
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    return fully_shard(load(card, compile=compile), mesh=mesh, **settings)
+
+
+def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str, prefetch: int,
+                    reduce_dtype: torch.dtype = torch.float32):
     from linnet.torch.shard import gathered_weights
     from linnet.train import train
 
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-    model = fully_shard(load(card, compile=compile), mesh=mesh, recompute=recompute, prefetch=prefetch,
-                        reduce_dtype=reduce_dtype)
+    model = on_a_mesh(card, shape, compile, recompute=recompute, prefetch=prefetch, reduce_dtype=reduce_dtype)
     assert (model.sharding.replicas, model.sharding.world) == shape
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
@@ -85,13 +91,9 @@ def _hooked_adamw(params, **settings) -> torch.optim.AdamW:
 
 def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_class) -> tuple:
     """Train on 2 x 2: for each optimizer.step(), the names of the parts that had a gradient; and the losses."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from linnet.torch import fully_shard
     from linnet.train import train
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = fully_shard(load(card, compile=compile), mesh=mesh)
+    model = on_a_mesh(card, compile=compile)
     names = {id(model.params["embedding"]): "embedding", id(model.params["head"]): "head",
              **{id(p): f"layer {i}" for i, p in enumerate(model.params["layers"])}}
     optimizer = optimizer_class(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
@@ -108,7 +110,7 @@ def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_clas
 
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_train_steps_the_parts_reduced_last_once_the_rest_are_stepped(card, compile):
-    """The first layer's and the tied embedding's parts are reduced last: train sums them across the replicas
+    """The first layer's and the tied embedding's parts are reduced last: train averages them across the replicas
     under the optimizer's step of every other part, then steps them; the losses are single-process training's."""
     expected_losses, _ = reference(card, 4)
     everything = ["embedding", "head", "layer 0", "layer 1"]
@@ -124,10 +126,8 @@ def test_train_steps_the_parts_reduced_last_once_the_rest_are_stepped(card, comp
 def reductions_made(rank: int, world: int, card, own_loop: bool) -> list:
     """(shard ranks, replicas) of each reduction of a gradient (linnet::reduce_scatter) in one eager step on 2 x 2,
     in train or in a user's loop."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from linnet.torch import fully_shard
     from linnet.train import train
 
     made = []
@@ -138,7 +138,7 @@ def reductions_made(rank: int, world: int, card, own_loop: bool) -> list:
                 made.append((args[3], args[6] if len(args) > 6 else 1))
             return func(*args, **(kwargs or {}))
 
-    model = fully_shard(load(card), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    model = on_a_mesh(card)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR)
     row = rows(world)[rank]
     with Reductions():
@@ -161,14 +161,10 @@ def test_each_part_is_reduced_once_inside_its_machine_and_once_across(card, own_
 
 def own_loop_on_a_mesh(rank: int, world: int, card, compile: str | None):
     """A user's loop on 2 x 2, each step's row in two halves of the loss, each with its own backward: the
-    gradients accumulate, and each half of a part reduced last is summed across the replicas once."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from linnet.torch import fully_shard
+    gradients accumulate, and each half of a part reduced last is averaged across the replicas once."""
     from linnet.torch.shard import gathered_weights
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = fully_shard(load(card, compile=compile), mesh=mesh)
+    model = on_a_mesh(card, compile=compile)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     data = rows(world)
     for step in range(STEPS):

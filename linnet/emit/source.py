@@ -297,11 +297,12 @@ class _Writer:
         if function.name in self.program.entries:
             reached = {g.name for f in _needed_functions(self.checked, [function.name]) for g in self._singletons_read(f)}
             for group in (g for g in self.shared.values() if g.name in reached):
-                late = (", late=True", ", reduced last") if group.name in self.late else ("", "")
-                if group.name in self.late:
+                late = group.name in self.late
+                if late:
                     self._wrote_late(group.key, None)
-                lines.append(f"    params = {{**params, {group.key!r}: gather(params[{group.key!r}], {group.name!r}{late[0]})}}"
-                             f"  # read by several functions: gathered once{late[1]}")
+                lines.append(f"    params = {{**params, {group.key!r}: gather(params[{group.key!r}], {group.name!r}"
+                             f"{', late=True' if late else ''})}}  # read by several functions: gathered once"
+                             f"{', reduced last' if late else ''}")
             if any(g.name in reached for g in self.then.values()) and len(lines) == 1:
                 lines.append("    params = {**params}  # a copy, which the layer loop puts its launch of the next group in")
         for loop in (s for s in function.body if isinstance(s, ast.For) and self.schedule is not None):

@@ -49,7 +49,8 @@ class LateParts:
         self.parts, self.reduce_dtype = parts, reduce_dtype
         self.replicate_group_name, self.replicas = replicate_group_name, replicas
         self._deferred = False
-        self.hooks = [part.register_hook(self._average_now) for part in parts]
+        for part in parts:
+            part.register_hook(self._average_now)
 
     def launch_average(self, gradient: torch.Tensor) -> torch.Tensor:
         """The gradient's mean across the replicas (it is already its shard group's mean), reduced in
