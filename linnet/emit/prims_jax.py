@@ -178,14 +178,18 @@ def cross_entropy(hidden, head, targets, weights):
 def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
     # The head's matmul and the loss 1024 positions at a time (or fewer, dividing the row): f32 logits of
     # one chunk live at a time, never of the whole row. Differentiated, each chunk's gradients are made
-    # where its logits are (softmax less the target, times the weight), the head's summed in f32: in the
-    # forward, so that the backward only scales them (three matmuls a chunk, as the plain loss, where
-    # recomputing each chunk takes four; the head's gradient, Vocab x D, held from the forward to the
-    # backward), or with `recompute` in the backward, holding nothing. linnet.jax.train recomputes under
-    # remat: on an H200 the one-pass form then held every layer's gradient to the optimizer's update (3B:
-    # 50.3 GiB against 40.9; the 8B no longer fit), while without remat it is the quicker (1B: 0.080 s
-    # against 0.086 s; benchmarks/NOTES.md, eleventh session). The loss weights are data: no gradient
-    # flows to them.
+    # where its logits are (softmax less the target, times the weight), the head's summed in f32, in one
+    # of two forms:
+    # - one pass (default): in the forward, so that the backward only scales them (three matmuls a chunk,
+    #   as the plain loss, where recomputing each chunk takes four); the head's gradient, Vocab x D, is
+    #   held from the forward to the backward, and the chunks' are summed in a carried f32 sum.
+    # - `recompute`: in the backward, holding nothing; each chunk's head gradient rounded once to the
+    #   head's dtype and the chunks' stacked, then summed in f32. linnet.jax.train recomputes under remat.
+    # Measured on an H200 (benchmarks/NOTES.md, eleventh and thirteenth sessions): with remat, either
+    # carried sum (the one-pass form's, or a recomputed one's) made XLA keep every layer's gradient to the
+    # optimizer's update (3B: 50.3 GiB against 40.9; the 8B out of memory), the stacked sum not (8B: 98.6
+    # GiB); without remat the one-pass form is the quicker (1B: 0.081 s; recomputed 0.086 s; one pass with
+    # the stacked sum 0.087 s). The loss weights are data: no gradient flows to them.
     batch, seq, width = hidden.shape
     chunk = math.gcd(seq, 1024)
     weights = jax.lax.stop_gradient(weights)
@@ -234,13 +238,22 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
         d_hidden = jnp.concatenate([d_hidden[None], d_hiddens]).swapaxes(0, 1).reshape(hidden.shape)
         return loss + jnp.sum(losses), (d_hidden, d_head.astype(head.dtype))
 
+    def gradients_stacked(hidden, head, targets, weights):
+        def chunk_gradients(pieces):
+            _, d_hidden, d_head = chunk_losses(pieces[0], head, pieces[1], pieces[2], True)
+            return d_hidden, d_head.astype(head.dtype)
+
+        d_hiddens, d_heads = jax.lax.map(chunk_gradients, (split(hidden), split(targets), split(weights)))
+        d_head = jnp.sum(d_heads.astype(jnp.float32), axis=0).astype(head.dtype)
+        return d_hiddens.swapaxes(0, 1).reshape(hidden.shape), d_head
+
     def summed_forward(hidden, head, targets, weights):
         if recompute:
             return summed(hidden, head, targets, weights), (hidden, head, targets, weights)
         return loss_and_gradients(hidden, head, targets, weights)
 
     def summed_backward(saved, g):
-        d_hidden, d_head = loss_and_gradients(*saved)[1] if recompute else saved
+        d_hidden, d_head = gradients_stacked(*saved) if recompute else saved
         return ((d_hidden.astype(jnp.float32) * g).astype(d_hidden.dtype), (d_head.astype(jnp.float32) * g).astype(d_head.dtype),
                 None, None)
 
