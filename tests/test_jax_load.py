@@ -230,3 +230,35 @@ def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits(recomput
     # Measured: 49.2 MB (three rows of f32 logits) against 13.6 MB in one pass, 14.4 MB recomputed (a few
     # chunks' logits), which stays about so at twice the row (98.4 MB against 14.7 and 16.5 MB).
     assert scratch(prims_jax.cross_entropy) > 2 * logits_bytes and scratch(chunked) < logits_bytes
+
+
+def test_the_recomputed_loss_carries_no_sum_through_a_loop():
+    """The form train runs under remat sums the chunks' head gradients from a stack, with no loop carrying
+    the sum: on an H200 a carried sum (f32 or bf16) made XLA keep every layer's gradient to the optimizer's
+    update, and the 8B with remat ran out of memory (benchmarks/NOTES.md, thirteenth session). The one-pass
+    form carries its sum (quicker without remat), which this reads too, so the walk sees loops."""
+    from linnet.emit import prims_jax
+
+    hidden, head = jnp.zeros((2, 4096, 32), jnp.bfloat16), jnp.zeros((500, 32), jnp.bfloat16)
+    targets, weights = jnp.zeros((2, 4096), jnp.int32), jnp.ones((2, 4096))
+
+    def carries(recompute):  # the number of carried values of each loop in the loss's value and gradients
+        def loss(h, w):
+            return prims_jax.cross_entropy_chunked(h, w, targets, weights, recompute=recompute)
+
+        def walk(jaxpr):
+            for equation in jaxpr.eqns:
+                if equation.primitive.name == "scan":  # lax.map and lax.scan
+                    yield equation.params["num_carry"]
+                elif equation.primitive.name == "while":  # a loop that carries by nature
+                    yield "while"
+                for param in equation.params.values():
+                    for inner in param if isinstance(param, (list, tuple)) else [param]:
+                        inner = getattr(inner, "jaxpr", inner)
+                        if hasattr(inner, "eqns"):
+                            yield from walk(inner)
+
+        return list(walk(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(hidden, head).jaxpr))
+
+    assert carries(False) == [1]  # the head's gradient, summed chunk by chunk
+    assert carries(True) == [0, 0]  # the loss's chunks, then their gradients: nothing carried
