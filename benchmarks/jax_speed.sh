@@ -5,6 +5,9 @@
 #                                                     needs a call for each (its set-up alone takes minutes)
 #   bash benchmarks/jax_speed.sh torch CARD [ARGS]    the PyTorch step of the same card (step.py ARGS; needs the
 #                                                     build: bash benchmarks/kernels.sh build)
+#   bash benchmarks/jax_speed.sh profile CARD [ARGS]  both steps traced (ARGS to step_jax.py, e.g. --no-remat), each
+#                                                     trace read by trace_gaps.py: idle gaps and kernels by time,
+#                                                     in $OUT/jax-NAME-gaps.txt and $OUT/torch-NAME-gaps.txt (needs the build)
 # Logs under $OUT; each run's RESULT line is printed.
 RUN_TAIL=20  # a RESULT line a candidate
 source "$(dirname "$0")/stage.sh"
@@ -19,5 +22,13 @@ case "${1:-}" in
   torch)
     card=$2; shift 2; name=${card#llama-}
     run "torch-$name" torchrun --nproc_per_node=1 benchmarks/step.py --card "$card" --steps 12 "$@" ;;
-  *) echo "usage: bash benchmarks/jax_speed.sh attention [shapes]|steps CARD [ARGS]|torch CARD [ARGS]"; exit 2 ;;
+  profile)
+    card=$2; shift 2; name=${card#llama-}
+    run "jax-$name-traced" python3 benchmarks/step_jax.py --card "$card" --steps 12 --profile "$OUT/jax-trace" "$@"
+    run "torch-$name-traced" torchrun --nproc_per_node=1 benchmarks/step.py --card "$card" --steps 12 --profile "$OUT/torch-trace"
+    python3 benchmarks/trace_gaps.py "$OUT/jax-trace/perfetto_trace.json.gz" --top 25 > "$OUT/jax-$name-gaps.txt"
+    python3 benchmarks/trace_gaps.py "$OUT/torch-trace/trace.json.gz" --top 25 > "$OUT/torch-$name-gaps.txt"
+    rm -rf "$OUT/jax-trace" "$OUT/torch-trace"  # the raw traces are large, and nested too deep to come back
+    head -4 "$OUT/jax-$name-gaps.txt" "$OUT/torch-$name-gaps.txt" ;;
+  *) echo "usage: bash benchmarks/jax_speed.sh attention [shapes]|steps CARD [ARGS]|torch CARD [ARGS]|profile CARD [ARGS]"; exit 2 ;;
 esac

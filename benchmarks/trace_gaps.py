@@ -1,6 +1,8 @@
-"""Where the compute stream waits, from a torch.profiler Chrome trace (step.py --profile):
+"""Where the compute stream waits, from a torch.profiler Chrome trace (step.py --profile) or the
+Perfetto trace of jax.profiler (step_jax.py --profile):
 
     python3 benchmarks/trace_gaps.py FOLDER/trace.json.gz [--top 20]
+    python3 benchmarks/trace_gaps.py FOLDER/perfetto_trace.json.gz [--top 20]
 
 Prints, per CUDA stream, its kernels' busy time in the traced window; for the stream with the
 most kernels (the compute stream), its idle time and the largest gaps, each with the kernels on
@@ -17,9 +19,17 @@ import json
 
 
 def kernels(path: str) -> list[dict]:
+    """The GPU's kernels, each with args["stream"]: torch.profiler's are "kernel" events; jax.profiler's
+    are the complete events of a "/device:GPU:N" process, a thread a stream."""
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    found = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not found:
+        gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and e.get("args", {}).get("name", "").startswith("/device:GPU")}
+        found = [{**e, "args": {**e.get("args", {}), "stream": e["tid"]}} for e in events
+                 if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e]
+    return sorted(found, key=lambda e: e["ts"])
 
 
 def busy(intervals: list[tuple[float, float]]) -> float:
