@@ -26,9 +26,10 @@ case "${1:-}" in
     card=$2; shift 2; name=${card#llama-}
     run "jax-$name-traced" python3 benchmarks/step_jax.py --card "$card" --steps 12 --profile "$OUT/jax-trace" "$@"
     run "torch-$name-traced" torchrun --nproc_per_node=1 benchmarks/step.py --card "$card" --steps 12 --profile "$OUT/torch-trace"
-    python3 benchmarks/trace_gaps.py "$OUT/jax-trace/perfetto_trace.json.gz" --top 25 > "$OUT/jax-$name-gaps.txt"
-    python3 benchmarks/trace_gaps.py "$OUT/torch-trace/trace.json.gz" --top 25 > "$OUT/torch-$name-gaps.txt"
-    rm -rf "$OUT/jax-trace" "$OUT/torch-trace"  # the raw traces are large, and nested too deep to come back
-    head -4 "$OUT/jax-$name-gaps.txt" "$OUT/torch-$name-gaps.txt" ;;
+    for trace in jax-trace/perfetto_trace.json.gz torch-trace/trace.json.gz; do  # a run that failed left none
+      [ -f "$OUT/$trace" ] && python3 benchmarks/trace_gaps.py "$OUT/$trace" --top 25 > "$OUT/${trace%%-*}-$name-gaps.txt"
+    done
+    rm -rf "$OUT/jax-trace" "$OUT/torch-trace"  # the raw traces are large
+    head -4 "$OUT"/*-"$name"-gaps.txt ;;
   *) echo "usage: bash benchmarks/jax_speed.sh attention [shapes]|steps CARD [ARGS]|torch CARD [ARGS]|profile CARD [ARGS]"; exit 2 ;;
 esac

@@ -20,15 +20,20 @@ import json
 
 def kernels(path: str) -> list[dict]:
     """The GPU's kernels, each with args["stream"]: torch.profiler's are "kernel" events; jax.profiler's
-    are the complete events of a "/device:GPU:N" process, a thread a stream."""
+    are the complete events of a "/device:GPU:N" process's "Stream #N(...)" threads."""
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     found = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     if not found:
-        gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and e.get("args", {}).get("name", "").startswith("/device:GPU")}
-        found = [{**e, "args": {**e.get("args", {}), "stream": e["tid"]}} for e in events
-                 if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e]
+        def named(kind):  # {(pid, tid) or pid: name} of the metadata events of this kind
+            return {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e.get("args", {}).get("name", "")
+                    for e in events if e.get("ph") == "M" and e.get("name") == kind}
+
+        gpus = {pid for pid, name in named("process_name").items() if name.startswith("/device:GPU")}
+        # A stream's thread is "Stream #14(Compute)"; tracks derived from them (XLA Ops, Steps) are not kernels.
+        streams = {key: name for key, name in named("thread_name").items() if key[0] in gpus and name.startswith("Stream")}
+        found = [{**e, "args": {**e.get("args", {}), "stream": streams[e["pid"], e.get("tid")].split("(")[0].removeprefix("Stream #")}}
+                 for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and "dur" in e]
     return sorted(found, key=lambda e: e["ts"])
 
 

@@ -183,8 +183,10 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
     # - one pass (default): in the forward, so that the backward only scales them (three matmuls a chunk,
     #   as the plain loss, where recomputing each chunk takes four); the head's gradient, Vocab x D, is
     #   held from the forward to the backward, and the chunks' are summed in a carried f32 sum.
-    # - `recompute`: in the backward, holding nothing; each chunk's head gradient rounded once to the
-    #   head's dtype and the chunks' stacked, then summed in f32. linnet.jax.train recomputes under remat.
+    # - `recompute`: in the backward, nothing held from the forward; each chunk's head gradient rounded
+    #   once to the head's dtype and the chunks' stacked (chunks x Vocab x D while the backward runs: 3.9
+    #   GiB at 8B and 4096 positions, growing with the row), then summed in f32. linnet.jax.train
+    #   recomputes under remat.
     # Measured on an H200 (benchmarks/NOTES.md, eleventh and thirteenth sessions): with remat, either
     # carried sum (the one-pass form's, or a recomputed one's) made XLA keep every layer's gradient to the
     # optimizer's update (3B: 50.3 GiB against 40.9; the 8B out of memory), the stacked sum not (8B: 98.6
