@@ -25,15 +25,15 @@ def kernels(path: str) -> list[dict]:
         events = json.load(f)["traceEvents"]
     found = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     if not found:
-        def named(kind):  # {(pid, tid) or pid: name} of the metadata events of this kind
-            return {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e.get("args", {}).get("name", "")
-                    for e in events if e.get("ph") == "M" and e.get("name") == kind}
+        def metadata(kind: str, prefix: str) -> list[dict]:
+            return [e for e in events if e.get("ph") == "M" and e.get("name") == kind
+                    and e.get("args", {}).get("name", "").startswith(prefix)]
 
-        gpus = {pid for pid, name in named("process_name").items() if name.startswith("/device:GPU")}
-        # A stream's thread is "Stream #14(Compute)"; tracks derived from them (XLA Ops, Steps) are not kernels.
-        streams = {key: name for key, name in named("thread_name").items() if key[0] in gpus and name.startswith("Stream")}
-        found = [{**e, "args": {**e.get("args", {}), "stream": streams[e["pid"], e.get("tid")].split("(")[0].removeprefix("Stream #")}}
-                 for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and "dur" in e]
+        gpus = {e["pid"] for e in metadata("process_name", "/device:GPU")}
+        # A stream's thread is "Stream #14(Compute)", tid 14; tracks derived from them (XLA Ops, Steps) are not kernels.
+        streams = {(e["pid"], e["tid"]) for e in metadata("thread_name", "Stream") if e["pid"] in gpus}
+        found = [{**e, "args": {**e.get("args", {}), "stream": e["tid"]}} for e in events
+                 if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and "dur" in e]
     return sorted(found, key=lambda e: e["ts"])
 
 

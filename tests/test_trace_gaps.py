@@ -1,6 +1,7 @@
 """benchmarks/trace_gaps.py reads both profilers' traces alike: torch.profiler's "kernel" events (step.py
 --profile) and jax.profiler's Perfetto trace, where a GPU is a "/device:GPU:N" process and a stream one of
-its "Stream #N(...)" threads, beside tracks derived from them (step_jax.py --profile). The traces themselves need a GPU; these are written by hand."""
+its "Stream #N(...)" threads, beside tracks derived from them (step_jax.py --profile). The traces themselves
+need a GPU; these are written by hand."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_torch_and_jax_traces_give_the_same_kernels_and_gaps(tmp_path):
     ])
     for path in (torch_trace, jax_trace):
         found = trace_gaps.kernels(path)
-        assert [(k["name"], str(k["args"]["stream"])) for k in found] == [("gemm", "7"), ("sleep", "9"), ("add", "7")]
+        assert [(k["name"], k["args"]["stream"]) for k in found] == [("gemm", 7), ("sleep", 9), ("add", 7)]
         printed = subprocess.run([sys.executable, str(BENCHMARKS / "trace_gaps.py"), path], capture_output=True,
                                  text=True, check=True, timeout=60).stdout
         assert "compute stream 7: idle 0.0 ms of 0.0 (0 gaps over 50 us" in printed  # 30 us: under 50
