@@ -92,6 +92,19 @@ def test_statements_and_declarations_outside_the_language():
     expect(source, line_of(source, "import os"), "expected a declaration", "got import")
 
 
+@pytest.mark.parametrize("old, new, fragment", [
+    ("def decoder(tokens", "def gather(tokens", "`gather` is reserved for generated code"),
+    ("def decoder_layer(x", "def decoder_layer_region(x", "any name ending in _region"),
+    ("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)", "    h_weights = rms_norm(x, w.input_layernorm, eps=norm_eps)",
+     "any name ending in _weights"),
+])
+def test_names_generated_code_defines_are_refused(old, new, fragment):
+    """A function or local that the generated source would define itself (a layer's function compiled
+    once is `<name>_region`, a group's gathered weights `<group>_weights`) is refused at its line."""
+    source, line = broken(old, new)
+    expect(source, line, fragment, "choose another")
+
+
 def test_missing_config_key_names_the_instance_card():
     config = {k: v for k, v in CONFIG.items() if k != "num_key_value_heads"}
     with pytest.raises(CardError, match=r"tiny-llama.toml: \[config\] num_key_value_heads must be a positive integer"):

@@ -226,8 +226,9 @@ def test_the_matmuls_policy_keeps_products_and_recomputes_the_rest(card, world):
     assert not {"aten.silu.default", "aten.rsqrt.default"} & kept_all  # which "gather" keeps
 
 
-def backward_products(rank: int, world: int, card, recompute: str, layers_once: str | None = None) -> tuple[int, int]:
-    """The matrix products inductor's code runs in one compiled step's forward and in its backward."""
+def backward_products(rank: int, world: int, card, recompute: str) -> tuple[int, int]:
+    """The matrix products inductor's code runs in one compiled step's forward and in its backward, a
+    layer compiled once (the default on one rank)."""
     import os
     import re
 
@@ -235,10 +236,9 @@ def backward_products(rank: int, world: int, card, recompute: str, layers_once: 
 
     from linnet.torch import fully_shard
 
-    os.environ.pop("LINNET_COMPILE_LAYERS_ONCE", None)  # the default, unless set
-    if layers_once is not None:
-        os.environ["LINNET_COMPILE_LAYERS_ONCE"] = layers_once
+    os.environ.pop("LINNET_COMPILE_LAYERS_ONCE", None)
     model = fully_shard(load(card, compile="inductor"), recompute=recompute)
+    assert model.layer_region
     data = rows(world)[rank]
     _, (forward, backward) = run_and_get_code(
         lambda: model.loss_packed(*[torch.from_numpy(getattr(data, f))[None] for f in FIELDS]).backward())
@@ -246,13 +246,12 @@ def backward_products(rank: int, world: int, card, recompute: str, layers_once: 
 
 
 def test_compiled_the_matmuls_policy_recomputes_no_product(card):
-    """On one rank a layer is compiled once for "gather" and "full"; not for "matmuls", whose policy would see
-    the layer's region as one op and recompute all of it: its backward runs the products that "gather"'s
-    runs with the layers unrolled too; "full"'s runs the forward's layers' products again."""
-    forward, matmuls = run(backward_products, 1, card, "matmuls", timeout=600)[0]
-    unrolled = [run(backward_products, 1, card, recompute, "0", timeout=600)[0] for recompute in ("gather", "full")]
-    assert unrolled[0] == (forward, matmuls)
-    assert unrolled[1][1] > matmuls
+    """On one rank a layer is compiled once, the region around the layer's checkpoint: "matmuls"'s policy
+    sees the layer's own ops, so its backward runs the products that "gather"'s runs, where "full"'s runs
+    the forward's products again (with the checkpoint around the region, "matmuls" recomputed them all)."""
+    counts = {recompute: run(backward_products, 1, card, recompute, timeout=600)[0] for recompute in ("gather", "matmuls", "full")}
+    assert counts["matmuls"] == counts["gather"]
+    assert counts["full"][1] > counts["matmuls"][1]
 
 
 def schedules(rank: int, world: int, card, configurations: list) -> list:
@@ -580,7 +579,11 @@ def region_training(rank: int, world: int, card, recompute: str):
     from linnet.train import train
 
     model = fully_shard(load(card, compile="inductor"), recompute=recompute)
-    assert model.layer_region and "@torch.compiler.nested_compile_region\ndef decoder_layer(" in model.source
+    region = ("@torch.compiler.nested_compile_region\ndef decoder_layer_region(x, w, cos, sin, mask):"  # on one rank
+              "  # traced and compiled once, called for every layer\n    return checkpointed(decoder_layer, x, w, cos, sin, mask)")
+    if world > 1:  # the checkpoint around the region
+        region = "@torch.compiler.nested_compile_region\ndef decoder_layer(x, w, cos, sin, mask):"
+    assert model.layer_region and region in model.source
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     un_waited = []
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS,
@@ -605,10 +608,9 @@ def region_refused(rank: int, world: int, card):
     from linnet.torch import fully_shard
 
     model = load(card, compile="inductor")
-    with pytest.raises(ValueError, match="recompute='gather' over 2 ranks.*leak"):
-        fully_shard(model, recompute="gather")
-    with pytest.raises(ValueError, match="recompute='matmuls'.*recompute all of it.*use recompute='full', or unset"):
-        fully_shard(model, recompute="matmuls")
+    for recompute in ("gather", "matmuls"):
+        with pytest.raises(ValueError, match=f"recompute='{recompute}' over 2 ranks.*leak.*use recompute='full', or unset"):
+            fully_shard(model, recompute=recompute)
     assert fully_shard(model, recompute="full").layer_region  # the refusals left the model as it was
 
 
@@ -616,6 +618,6 @@ def test_a_layer_compiled_once_is_refused_where_the_backward_gathers_again(deep_
     """A region keeps every input its backward reads: with recompute "gather" over several ranks the
     gathered weights would be kept and the backward's second gather never waited for (each step leaked
     3 gathers here, measured before the refusal), so fully_shard says so instead; and "matmuls", whose
-    policy would see the region as one op, is refused too."""
+    backward gathers again too."""
     monkeypatch.setenv("LINNET_COMPILE_LAYERS_ONCE", "1")
     run(region_refused, 2, deep_card)

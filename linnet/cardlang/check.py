@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from linnet.cardlang.errors import CardError
 from linnet.cardlang.primitives import PRIMITIVES, CallTypes
-from linnet.cardlang.program import RESERVED, RESERVED_SUFFIX, FunctionDecl, Program, WeightDecl
+from linnet.cardlang.program import FunctionDecl, Program, WeightDecl, reserved
 from linnet.cardlang.types import ConstValue, Dim, DimValue, GroupType, MaskType, TensorType, TupleType
 
 _OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
@@ -154,8 +154,8 @@ class _FunctionChecker:
     def check_assignable(self, name: str) -> None:
         if self.program.declared(name) or name in PRIMITIVES:
             self.fail(f"`{name}` is declared by the card; choose another name for a local value")
-        if name in RESERVED or name.endswith(RESERVED_SUFFIX):
-            self.fail(f"`{name}` is reserved for generated code (as is any name ending in {RESERVED_SUFFIX}); choose another")
+        if why := reserved(name):
+            self.fail(f"{why}; choose another")
 
     def same(self, a, b) -> bool:
         known = self.checked.dims

@@ -30,6 +30,7 @@ from linnet.cardlang.program import (
     Param,
     Program,
     WeightDecl,
+    reserved,
 )
 from linnet.cardlang.types import CONCRETE_DTYPES, Dim, GroupType, MaskType, TensorType
 
@@ -165,6 +166,8 @@ class _Parser:
     def check_new_name(self, name: str, node: ast.AST) -> None:
         if name in _RESERVED:
             raise self.error(node, f"`{name}` is a word of the card language and cannot be redeclared")
+        if why := reserved(name):
+            raise self.error(node, f"{why}; choose another name")
         if self.program.declared(name):
             raise self.error(node, f"`{name}` is declared twice")
 

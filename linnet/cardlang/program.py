@@ -11,10 +11,22 @@ from dataclasses import dataclass, field
 
 from linnet.cardlang.types import Dim
 
-# Names the emitted modules define or their callers inject, and the suffix of
-# the local that holds a group's weights: a card's own names may not use them.
+# Names the emitted modules define or their callers inject, the suffix of the
+# local that holds a group's weights, and that of a layer's function compiled
+# once around its checkpoint: a card's own names may not use them.
 RESERVED = frozenset({"params", "gather", "checkpointed", "over_layers", "one_layer", "torch", "F", "math", "jax", "jnp", "np"})
 RESERVED_SUFFIX = "_weights"
+REGION_SUFFIX = "_region"
+
+
+def reserved(name: str) -> str | None:
+    """Why generated code keeps `name` for itself, or None where a card may use it."""
+    if name in RESERVED:
+        return f"`{name}` is reserved for generated code"
+    for suffix in (RESERVED_SUFFIX, REGION_SUFFIX):
+        if name.endswith(suffix):
+            return f"`{name}` is reserved for generated code, as is any name ending in {suffix}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from linnet.cardlang.check import Checked
 from linnet.cardlang.primitives import PRIMITIVES
-from linnet.cardlang.program import FunctionDecl, GroupDecl
+from linnet.cardlang.program import REGION_SUFFIX, FunctionDecl, GroupDecl
 from linnet.cardlang.types import GroupType, MaskType, TensorType, TupleType
 from linnet.emit.schedule import Schedule
 
@@ -125,6 +125,10 @@ def _needed_functions(checked: Checked, entries: list[str]) -> list[FunctionDecl
     return [f for f in program.functions.values() if f.name in needed]
 
 
+def _takes_group(function: FunctionDecl) -> bool:
+    return any(isinstance(p.type, GroupType) for p in function.params)
+
+
 def _carried(loop: ast.For) -> str:
     """The variable a layer loop hands from one layer to the next: `x` in `x = layer(x, w, ...)`."""
     body = loop.body
@@ -162,10 +166,17 @@ class _Writer:
                  layer_region: bool = False):
         self.checked, self.program = checked, checked.program
         self.backend, self.cast_dtype, self.sharded, self.schedule = backend, cast_dtype, sharded, schedule
-        self.regions = self._layer_functions() if layer_region else set()
+        communicates = schedule is not None and schedule.communicates
+        regions = self._layer_functions() if layer_region else set()
+        # Sharded on one rank, the region goes around the layer's `checkpointed(...)`, so that a selective
+        # policy sees the layer's own ops. Over several ranks (only recompute "full": TorchModel.layer_region_over)
+        # the checkpoint stays around the region: inside it, the gathers its backward launches again are
+        # never waited for (a leak, tests/test_fully_shard.py).
+        self.checkpoint_regions = {name for name in regions
+                                   if sharded and not communicates and _takes_group(self.program.functions[name])}
+        self.regions = regions - self.checkpoint_regions
         self.takes_params = self._takes_params()
         self.shared = self._shared_groups() if schedule is not None else {}
-        communicates = schedule is not None and schedule.communicates
         self.looked_up = self._tables_only() if communicates else {}
         self.then = self._read_after_loops() if communicates and schedule.prefetch > 0 else {}
         self.late = set(self.shared) if schedule is not None and schedule.reduces_late else set()
@@ -310,7 +321,19 @@ class _Writer:
             lines += self.schedule.replica_waits(layers=f"params[{self.program.groups[loop.iter.id].key!r}]",
                                                  indent="    ", then=then and (then.key, then.name))
         lines += self.block(function.body, function, {}, fetched=set(), indent="    ")
+        if function.name in self.checkpoint_regions:
+            lines += ["", "", *self._region_around_checkpoint(function.name, params)]
         return lines
+
+    @staticmethod
+    def _region_around_checkpoint(name: str, params: list[str]) -> list[str]:
+        """Sharded, the region holds the layer's checkpoint rather than the checkpoint the region: a
+        selective policy then sees the layer's own ops (around a region it would see one op, and
+        recompute all of it, its products too)."""
+        arguments = ", ".join(params)
+        return ["@torch.compiler.nested_compile_region",
+                f"def {name}{REGION_SUFFIX}({arguments}):  # traced and compiled once, called for every layer",
+                f"    return checkpointed({name}, {arguments})"]
 
     def block(self, statements, function, loop_vars, fetched: set[str], indent: str) -> list[str]:
         lines = []
@@ -408,6 +431,8 @@ class _Translate(ast.NodeTransformer):
             return node
         if callee.name in self.writer.takes_params:
             node.args.insert(0, ast.Name("params"))
-        if self.writer.sharded and any(isinstance(p.type, GroupType) for p in callee.params):
+        if callee.name in self.writer.checkpoint_regions:
+            return ast.Call(ast.Name(callee.name + REGION_SUFFIX), node.args, [])
+        if self.writer.sharded and _takes_group(callee):
             return ast.Call(ast.Name("checkpointed"), [node.func, *node.args], [])
         return node

@@ -43,24 +43,15 @@ class TorchModel(LoadedModel):
         step that compiles sooner, over `ranks` ranks. On by default on one rank (8B: first step 37 s
         against 77 s, the step the same; benchmarks/NOTES.md); LINNET_COMPILE_LAYERS_ONCE=0 turns it off,
         =1 on over several ranks with recompute "full" (there 4.5% slower at 8B, so not the default).
-        Refused where the backward gathers a layer's weights again (recompute "gather" or "matmuls" over
-        several ranks): a region keeps every input its backward reads from the forward, so the gathered
-        weights would be kept and the gather the backward launches again never waited for (a leak a
-        layer a step). Never with recompute "matmuls", on any number of ranks: to the checkpoint's policy
-        the region's call is one op, not a product, so the whole layer, its products too, would be
-        recomputed as "full" recomputes it (8B, one rank: 0.539 s a step against "full"'s 0.542 s).
-        fully_shard asks before it changes the model."""
+        Sharded, the region goes around the layer's checkpoint, so that a selective policy ("matmuls")
+        sees the layer's own ops. Refused where the backward gathers a layer's weights again (recompute
+        "gather" or "matmuls" over several ranks): a region keeps every input its backward reads from the
+        forward, so the gathered weights would be kept and the gather the backward launches again never
+        waited for (a leak a layer a step). fully_shard asks before it changes the model."""
         setting = os.environ.get("LINNET_COMPILE_LAYERS_ONCE")
         if self.compile_mode != "inductor" or setting == "0":
             return False
-        if recompute == "matmuls":
-            if setting == "1":
-                other = "'full' or 'gather'" if ranks == 1 else "'full'"
-                raise ValueError("LINNET_COMPILE_LAYERS_ONCE=1 with recompute='matmuls': the checkpoint's policy sees a "
-                                 "layer compiled once as one op, and would recompute all of it, its products too; use "
-                                 f"recompute={other}, or unset LINNET_COMPILE_LAYERS_ONCE")
-            return False
-        if setting != "1" or ranks == 1:
+        if ranks == 1 or setting != "1":
             return ranks == 1
         if recompute != "full":
             raise ValueError(f"LINNET_COMPILE_LAYERS_ONCE=1 with recompute={recompute!r} over {ranks} ranks: a layer "
