@@ -5,6 +5,9 @@
 #                                                     needs a call for each (its set-up alone takes minutes)
 #   bash benchmarks/jax_speed.sh torch CARD [ARGS]    the PyTorch step of the same card (step.py ARGS; needs the
 #                                                     build: bash benchmarks/kernels.sh build)
+#   bash benchmarks/jax_speed.sh command-buffers CARD [ARGS]  the JAX step under XLA's command-buffer settings: as
+#                                                     linnet.jax.xla sets them, addresses of temporaries kept
+#                                                     (update mode SKIP_TEMP), command buffers off
 #   bash benchmarks/jax_speed.sh profile CARD [ARGS]  both steps traced (ARGS to step_jax.py, e.g. --no-remat), each
 #                                                     trace read by trace_gaps.py: idle gaps and kernels by time,
 #                                                     in $OUT/jax-NAME-gaps.txt and $OUT/torch-NAME-gaps.txt (needs the build)
@@ -22,6 +25,12 @@ case "${1:-}" in
   torch)
     card=$2; shift 2; name=${card#llama-}
     run "torch-$name" torchrun --nproc_per_node=1 benchmarks/step.py --card "$card" --steps 12 "$@" ;;
+  command-buffers)  # XLA_FLAGS names an option, which linnet.jax.xla then leaves to it
+    card=$2; shift 2; name=${card#llama-}
+    run "jax-$name-cb-default" python3 benchmarks/step_jax.py --card "$card" --steps 12 "$@"
+    run "jax-$name-cb-skip-temp" env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+      python3 benchmarks/step_jax.py --card "$card" --steps 12 "$@"
+    run "jax-$name-cb-off" env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/step_jax.py --card "$card" --steps 12 "$@" ;;
   profile)
     card=$2; shift 2; name=${card#llama-}
     run "jax-$name-traced" python3 benchmarks/step_jax.py --card "$card" --steps 12 --profile "$OUT/jax-trace" "$@"
@@ -31,5 +40,5 @@ case "${1:-}" in
     done
     rm -rf "$OUT/jax-trace" "$OUT/torch-trace"  # the raw traces are large
     head -4 "$OUT"/*-"$name"-gaps.txt ;;
-  *) echo "usage: bash benchmarks/jax_speed.sh attention [shapes]|steps CARD [ARGS]|torch CARD [ARGS]|profile CARD [ARGS]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/jax_speed.sh attention [shapes]|steps CARD [ARGS]|torch CARD [ARGS]|command-buffers CARD [ARGS]|profile CARD [ARGS]"; exit 2 ;;
 esac
