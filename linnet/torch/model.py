@@ -40,8 +40,9 @@ class TorchModel(LoadedModel):
 
     def layer_region_over(self, ranks: int, recompute: str) -> bool:
         """A layer's function compiled once for every layer rather than the layers unrolled, for a first
-        step that compiles sooner, over `ranks` ranks. On by default on one rank (8B: first step 37 s
-        against 77 s, the step the same; benchmarks/NOTES.md); LINNET_COMPILE_LAYERS_ONCE=0 turns it off,
+        step that compiles sooner, over `ranks` ranks. On by default on one rank (8B, caches off: first
+        step 46 s against 80 s with "gather", 55 s against 91 s with "matmuls", the step the same within
+        1%; benchmarks/NOTES.md); LINNET_COMPILE_LAYERS_ONCE=0 turns it off,
         =1 on over several ranks with recompute "full" (there 4.5% slower at 8B, so not the default).
         Sharded, the region goes around the layer's checkpoint, so that a selective policy ("matmuls")
         sees the layer's own ops. Refused where the backward gathers a layer's weights again (recompute
