@@ -592,10 +592,11 @@ def region_training(rank: int, world: int, card, recompute: str):
     return [s.loss for s in history.steps], {name: t.numpy() for name, t in gathered_weights(model, torch.float32)}
 
 
-@pytest.mark.parametrize("world, recompute", [(1, "gather"), (2, "full")])
+@pytest.mark.parametrize("world, recompute", [(1, "gather"), (1, "matmuls"), (2, "full")])
 def test_a_layer_compiled_once_trains_as_single_process(deep_card, world, recompute, monkeypatch):
-    """LINNET_COMPILE_LAYERS_ONCE=1 (experimental): the layer's function is one nested compile region;
-    it trains as the single process does and leaves no collective un-waited."""
+    """LINNET_COMPILE_LAYERS_ONCE=1 (the default on one rank): the layer's function is one nested compile
+    region, around the layer's checkpoint on one rank and inside it over several; it trains as the single
+    process does and leaves no collective un-waited."""
     monkeypatch.setenv("LINNET_COMPILE_LAYERS_ONCE", "1")
     expected_losses, expected_weights = reference(deep_card, world)
     for losses, weights in run(region_training, world, deep_card, recompute, timeout=600):
