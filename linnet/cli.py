@@ -43,7 +43,8 @@ def _parser() -> ArgumentParser:
             command.add_argument("--prefetch", type=at_least(0), default=1, metavar="LAYERS",
                                  help="with --fully-shard: how many layers' gathers run ahead (default 1)")
             command.add_argument("--one-rank", action="store_true",
-                                 help="with --fully-shard: the form for one rank, where each gather is a cast")
+                                 help="with --fully-shard: the form for one rank, where each gather is a cast and "
+                                      "a layer is compiled once (the region around its checkpoint)")
             command.add_argument("--replicas", type=at_least(1), default=1, metavar="N",
                                  help="with --fully-shard: the form for hybrid sharding, each part on N replicas")
     return parser
@@ -69,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError(f"--generic {item}: expected NAME=VALUE, such as MaxSeq=4096")
         generics[name] = int(value) if value.isdigit() else value
     generics = bind_generics(checked, generics)
-    schedule = None
+    schedule, layer_region = None, False
     if args.command == "torch":
         from linnet.emit.torch_backend import TORCH as backend
 
@@ -77,10 +78,12 @@ def _run(args: argparse.Namespace) -> int:
             from linnet.emit.schedule import Schedule
 
             schedule = Schedule(args.prefetch, communicates=not args.one_rank, replicas=args.replicas)
+            layer_region = args.one_rank and args.replicas == 1  # as fully_shard compiles it on one rank
     else:
         from linnet.emit.jax_backend import JAX as backend
     sys.stdout.write(emit(checked, backend, card_name=card.name, generics=generics, numerics=args.numerics,
-                          cast_dtype=args.cast_dtype, entries=args.entry, sharded=args.fully_shard, schedule=schedule))
+                          cast_dtype=args.cast_dtype, entries=args.entry, sharded=args.fully_shard, schedule=schedule,
+                          layer_region=layer_region))
     return 0
 
 

@@ -94,6 +94,9 @@ def test_statements_and_declarations_outside_the_language():
 
 @pytest.mark.parametrize("old, new, fragment", [
     ("def decoder(tokens", "def gather(tokens", "`gather` is reserved for generated code"),
+    ("def decoder(tokens", "def hold(tokens", "`hold` is reserved for generated code"),  # fully_shard binds it
+    ("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)", "    part = rms_norm(x, w.input_layernorm, eps=norm_eps)",
+     "`part` is reserved for generated code"),  # the scheduled layer loop's local
     ("def decoder_layer(x", "def decoder_layer_region(x", "any name ending in _region"),
     ("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)", "    h_weights = rms_norm(x, w.input_layernorm, eps=norm_eps)",
      "any name ending in _weights"),

@@ -9,11 +9,15 @@ import pytest
 
 from linnet import cards
 from linnet.cli import main
+from linnet.cardlang import check_program, parse_program
+from linnet.cards import CARDS_DIR
 from linnet.emit.jax_backend import JAX
+from linnet.emit.schedule import Schedule
 from linnet.emit.source import emit
 from linnet.emit.torch_backend import TORCH
 
 GENERICS = {"Batch": 1, "MaxSeq": 4096, "T": "bf16"}
+LLAMA = (CARDS_DIR / "llama.arch").read_text()
 
 
 @pytest.mark.parametrize("name", cards.shipped())
@@ -41,6 +45,39 @@ def test_tied_head_reads_the_embedding():
     assert "head_weights['lm_head']))" in untied
 
 
+REGION = "@torch.compiler.nested_compile_region\n"
+WRAPPER = (REGION + "def decoder_layer_region(x, w, cos, sin, mask):  # traced and compiled once, called for every layer\n"
+           "    return checkpointed(decoder_layer, x, w, cos, sin, mask)")
+
+
+@pytest.mark.parametrize("schedule, form", [
+    (None, "decorated"),  # unsharded
+    (Schedule(communicates=False), "wrapper"),  # one rank
+    (Schedule(communicates=True), "decorated"),  # several ranks: the checkpoint around the region
+    (Schedule(communicates=False, replicas=2), "decorated"),  # one rank of each of two replicas
+], ids=["unsharded", "one-rank", "several-ranks", "replicas"])
+def test_a_layer_compiled_once_is_the_region_its_ranks_need(schedule, form):
+    source = emit(cards.resolve("tiny-llama").checked(), TORCH, card_name="tiny", generics=GENERICS, numerics="fast",
+                  cast_dtype=True, entries=["loss_packed"], schedule=schedule, layer_region=True)
+    compile(source, "<tiny>", "exec")
+    if form == "wrapper":
+        assert WRAPPER in source and REGION + "def decoder_layer(" not in source
+        assert "x = decoder_layer_region(x, w, cos, sin, mask)" in source
+    else:
+        assert REGION + "def decoder_layer(" in source and "decoder_layer_region" not in source
+
+
+def test_a_layer_loop_calling_a_primitive_has_no_region():
+    """`x = rms_norm(...)` in a layer loop: the primitive is the backend's, copied in, never wrapped."""
+    card = cards.resolve("tiny-llama")
+    loop = "        x = decoder_layer(x, w, cos, sin, mask)\n"
+    program = parse_program(LLAMA.replace(loop, loop + "        x = rms_norm(x, w.input_layernorm, eps=norm_eps)\n"), "llama.arch")
+    source = emit(check_program(program, card.config, "tiny-llama.toml"), TORCH, card_name="tiny", generics=GENERICS,
+                  numerics="fast", cast_dtype=True, entries=["loss_packed"], schedule=Schedule(communicates=False),
+                  layer_region=True)
+    assert "x = decoder_layer_region(x, w, cos, sin, mask)" in source and "rms_norm_region" not in source
+
+
 def test_one_entry_emits_only_what_it_needs():
     source = emit(cards.resolve("tiny-llama").checked(), TORCH, card_name="tiny", generics=GENERICS,
                   numerics="fast", cast_dtype=True, entries=["logits"])
@@ -54,6 +91,8 @@ def test_cli_prints_cards_and_source(capsys):
     assert main(["torch", "llama-3.2-1b", "--entry", "loss_packed", "--generic", "MaxSeq=128", "--numerics", "fast"]) == 0
     source = capsys.readouterr().out
     assert "MaxSeq = 128" in source and "def loss_packed(params, tokens, targets, positions, segments, weights):" in source
+    assert main(["torch", "tiny-llama", "--fully-shard", "--one-rank", "--entry", "loss_packed"]) == 0
+    assert "x = decoder_layer_region(x, w, cos, sin, mask)" in capsys.readouterr().out  # as fully_shard on one rank
     assert main(["jax", "tiny-llama", "--fully-shard"]) == 0
     source = capsys.readouterr().out
     assert "gather(params['embedding'], 'Embedding')" in source

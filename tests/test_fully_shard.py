@@ -579,11 +579,12 @@ def region_training(rank: int, world: int, card, recompute: str):
     from linnet.train import train
 
     model = fully_shard(load(card, compile="inductor"), recompute=recompute)
-    region = ("@torch.compiler.nested_compile_region\ndef decoder_layer_region(x, w, cos, sin, mask):"  # on one rank
-              "  # traced and compiled once, called for every layer\n    return checkpointed(decoder_layer, x, w, cos, sin, mask)")
-    if world > 1:  # the checkpoint around the region
-        region = "@torch.compiler.nested_compile_region\ndef decoder_layer(x, w, cos, sin, mask):"
-    assert model.layer_region and region in model.source
+    around_checkpoint = ("@torch.compiler.nested_compile_region\ndef decoder_layer_region(x, w, cos, sin, mask):"
+                         "  # traced and compiled once, called for every layer\n"
+                         "    return checkpointed(decoder_layer, x, w, cos, sin, mask)")
+    inside_checkpoint = "@torch.compiler.nested_compile_region\ndef decoder_layer(x, w, cos, sin, mask):"
+    expected, other = (around_checkpoint, inside_checkpoint) if world == 1 else (inside_checkpoint, around_checkpoint)
+    assert model.layer_region and expected in model.source and other not in model.source
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     un_waited = []
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS,
@@ -594,7 +595,7 @@ def region_training(rank: int, world: int, card, recompute: str):
 
 @pytest.mark.parametrize("world, recompute", [(1, "gather"), (1, "matmuls"), (2, "full")])
 def test_a_layer_compiled_once_trains_as_single_process(deep_card, world, recompute, monkeypatch):
-    """LINNET_COMPILE_LAYERS_ONCE=1 (the default on one rank): the layer's function is one nested compile
+    """LINNET_COMPILE_LAYERS_ONCE=1 (on one rank, as unset): the layer's function is one nested compile
     region, around the layer's checkpoint on one rank and inside it over several; it trains as the single
     process does and leaves no collective un-waited."""
     monkeypatch.setenv("LINNET_COMPILE_LAYERS_ONCE", "1")

@@ -52,7 +52,8 @@ def emit(
     primitives: dict | None = None,
 ) -> str:
     """layer_region: a function that a layer loop calls is compiled once for every layer
-    (`@torch.compiler.nested_compile_region`, PyTorch only). primitives: functions copied in for
+    (`@torch.compiler.nested_compile_region`, PyTorch only); sharded over one rank the region is a
+    wrapper, `<function>_region`, that calls `checkpointed(<function>, ...)`. primitives: functions copied in for
     some of the backend's primitives of these numerics, by name; a functools.partial is copied with its
     keywords as defaults (linnet.jax.train's loss under remat)."""
     program = checked.program
@@ -167,13 +168,13 @@ class _Writer:
         self.checked, self.program = checked, checked.program
         self.backend, self.cast_dtype, self.sharded, self.schedule = backend, cast_dtype, sharded, schedule
         communicates = schedule is not None and schedule.communicates
+        one_rank = sharded and not communicates and (schedule is None or schedule.replicas == 1)
         regions = self._layer_functions() if layer_region else set()
-        # Sharded on one rank, the region goes around the layer's `checkpointed(...)`, so that a selective
-        # policy sees the layer's own ops. Over several ranks (only recompute "full": TorchModel.layer_region_over)
-        # the checkpoint stays around the region: inside it, the gathers its backward launches again are
-        # never waited for (a leak, tests/test_fully_shard.py).
-        self.checkpoint_regions = {name for name in regions
-                                   if sharded and not communicates and _takes_group(self.program.functions[name])}
+        # Sharded on one rank (no replicas either), the region goes around the layer's `checkpointed(...)`, so
+        # that a selective policy sees the layer's own ops. Over several ranks (only recompute "full":
+        # TorchModel.layer_region_over) the checkpoint stays around the region: inside it, the gathers its
+        # backward launches again are never waited for (a leak, tests/test_fully_shard.py).
+        self.checkpoint_regions = {name for name in regions if one_rank and _takes_group(self.program.functions[name])}
         self.regions = regions - self.checkpoint_regions
         self.takes_params = self._takes_params()
         self.shared = self._shared_groups() if schedule is not None else {}
@@ -190,7 +191,8 @@ class _Writer:
         """The functions a layer loop calls: `layer` in `for w in Layers: x = layer(x, w, ...)`."""
         loops = (n for f in self.program.functions.values() for s in f.body for n in ast.walk(s) if isinstance(n, ast.For))
         return {s.value.func.id for loop in loops for s in loop.body
-                if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)}
+                if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)
+                and s.value.func.id in self.program.functions}  # a primitive is the backend's, never a region
 
     def _singletons_read(self, function: FunctionDecl) -> list[GroupDecl]:
         found = []
@@ -327,7 +329,7 @@ class _Writer:
 
     @staticmethod
     def _region_around_checkpoint(name: str, params: list[str]) -> list[str]:
-        """Sharded, the region holds the layer's checkpoint rather than the checkpoint the region: a
+        """On one rank, the region holds the layer's checkpoint rather than the checkpoint the region: a
         selective policy then sees the layer's own ops (around a region it would see one op, and
         recompute all of it, its products too)."""
         arguments = ", ".join(params)
