@@ -41,6 +41,8 @@ parser.add_argument("--memory-trace", action="store_true", help="after each step
                     "collectives c10d still holds un-waited (its work registry): what a step leaves behind")
 parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (torch.profiler): FOLDER/trace.json.gz "
                     "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
+parser.add_argument("--compile-times", action="store_true", help="after the run, where the compile's seconds went: "
+                    "dynamo's, AOT autograd's and inductor's phases, the longest first (rank 0)")
 args = parser.parse_args()
 
 dist.init_process_group("nccl")
@@ -106,4 +108,10 @@ result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, r
               losses=[round(s.loss, 4) for s in history.steps], loss_start=loss_start, loss_end=loss_end)
 if rank == 0:
     print("RESULT " + json.dumps(result), flush=True)
+if args.compile_times and rank == 0:
+    from torch._dynamo.utils import compile_times
+
+    phases = [line.rsplit(", ", 1) for line in compile_times(repr="str", aggregate=True).splitlines()[2:] if ", " in line]
+    for name, seconds in sorted(phases, key=lambda phase: -float(phase[1]))[:25]:
+        print(f"  {float(seconds):8.2f} s  {name}", flush=True)
 dist.destroy_process_group()
