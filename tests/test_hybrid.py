@@ -33,6 +33,9 @@ def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile
     from linnet.torch.shard import gathered_weights
     from linnet.train import train
 
+    # One thread a rank: inductor's CPU kernels then add each embedding gradient in one order (with two,
+    # in the order the threads' atomic adds land; AdamW carried that to 1.5e-5 in a weight once, in CI).
+    torch.set_num_threads(1)
     model = on_a_mesh(card, shape, compile, recompute=recompute, prefetch=prefetch, reduce_dtype=reduce_dtype)
     assert (model.sharding.replicas, model.sharding.world) == shape
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
