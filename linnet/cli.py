@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
             from linnet.emit.schedule import Schedule
 
             schedule = Schedule(args.prefetch, communicates=not args.one_rank, replicas=args.replicas)
-            layer_region = args.one_rank and args.replicas == 1  # as fully_shard compiles it on one rank
+            layer_region = schedule.one_rank  # as fully_shard compiles it on one rank
     else:
         from linnet.emit.jax_backend import JAX as backend
     sys.stdout.write(emit(checked, backend, card_name=card.name, generics=generics, numerics=args.numerics,

@@ -74,6 +74,11 @@ class Schedule:
         """Whether the parts reduced last leave their mean across the replicas to after the backward (`late=True`)."""
         return self.replicas > 1 and self.communicates
 
+    @property
+    def one_rank(self) -> bool:
+        """Whether the code runs on one rank alone: no shard group, no replicas."""
+        return not self.communicates and self.replicas == 1
+
     def describe(self) -> str:
         """The schedule in the generated module's first line."""
         if not self.communicates:

@@ -168,7 +168,7 @@ class _Writer:
         self.checked, self.program = checked, checked.program
         self.backend, self.cast_dtype, self.sharded, self.schedule = backend, cast_dtype, sharded, schedule
         communicates = schedule is not None and schedule.communicates
-        one_rank = sharded and not communicates and (schedule is None or schedule.replicas == 1)
+        one_rank = sharded and (schedule is None or schedule.one_rank)
         regions = self._layer_functions() if layer_region else set()
         # Sharded on one rank (no replicas either), the region goes around the layer's `checkpointed(...)`, so
         # that a selective policy sees the layer's own ops. Over several ranks (only recompute "full":

@@ -45,10 +45,11 @@ class TorchModel(LoadedModel):
         1%; benchmarks/NOTES.md); LINNET_COMPILE_LAYERS_ONCE=0 turns it off,
         =1 on over several ranks with recompute "full" (there 4.5% slower at 8B, so not the default).
         Sharded over one rank, the region goes around the layer's checkpoint, so that a selective policy
-        ("matmuls") sees the layer's own ops; over several, the checkpoint around the region. Refused where the backward gathers a layer's weights again (recompute
-        "gather" or "matmuls" over several ranks): a region keeps every input its backward reads from the
-        forward, so the gathered weights would be kept and the gather the backward launches again never
-        waited for (a leak a layer a step). fully_shard asks before it changes the model."""
+        ("matmuls") sees the layer's own ops; over several, the checkpoint around the region. Refused
+        where the backward gathers a layer's weights again (recompute "gather" or "matmuls" over several
+        ranks): a region keeps every input its backward reads from the forward, so the gathered weights
+        would be kept and the gather the backward launches again never waited for (a leak a layer a
+        step). fully_shard asks before it changes the model."""
         setting = os.environ.get("LINNET_COMPILE_LAYERS_ONCE")
         if self.compile_mode != "inductor" or setting == "0":
             return False
