@@ -28,6 +28,8 @@ parser.add_argument("--recompute", default="gather", choices=["gather", "matmuls
 parser.add_argument("--prefetch", type=int, default=1, help="layers whose gathers run ahead (fully_shard's prefetch)")
 parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
+parser.add_argument("--step-after", action="store_true", help="the optimizer steps after the backward, holding every "
+                    "gradient at once (train(step_in_backward=False)); by default each part steps in the backward")
 parser.add_argument("--mesh", metavar="MACHINESxGPUS", help="hybrid sharding over a (replicate, shard) mesh of that "
                     "shape, e.g. 2x4 (default: one flat group)")
 parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
@@ -88,7 +90,7 @@ held_out = load_rows(args.held_out, rank, world) if args.held_out else None
 loss_start = evaluate(model, held_out) if held_out else None
 rows = load_rows(args.rows, rank, world) if args.rows else random_rows(rank, args.tokens, model.checked.dims["Vocab"], args.packed)
 history = train(model, iter(rows), optimizer=optimizer, steps=args.steps,
-                on_step=on_step)
+                on_step=on_step, step_in_backward=not args.step_after)
 if profiler is not None:
     profiler.stop()
     if rank == 0:
@@ -99,7 +101,7 @@ loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
 result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, recompute=args.recompute, prefetch=args.prefetch,
-              reduce_dtype=args.reduce_dtype, compiled=not args.no_compile,
+              reduce_dtype=args.reduce_dtype, compiled=not args.no_compile, step_in_backward=not args.step_after,
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

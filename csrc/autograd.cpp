@@ -2,6 +2,7 @@
 // _c10d_functional_autograd. Forwards redispatch below autograd; backwards call
 // ops through the dispatcher, so AOTAutograd traces them into the graph.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "ops.h"
@@ -269,6 +270,33 @@ class Wait : public torch::autograd::Function<Wait> {
   }
 };
 
+// Adam's step takes no gradient: below autograd it runs as it is, and the
+// tensors it changes in place count a new version, so that autograd refuses
+// a saved tensor that the step changed rather than read its new value.
+void adam_step_autograd(
+    at::Tensor& param,
+    at::Tensor& exp_avg,
+    at::Tensor& exp_avg_sq,
+    at::Tensor& step,
+    const at::Tensor& gradient,
+    const at::Tensor& lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool decoupled) {
+  static auto handle = op<void(
+      at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+      double, double, bool)>("linnet::adam_step_");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    handle.call(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled);
+  }
+  for (at::Tensor* changed : {&param, &exp_avg, &exp_avg_sq, &step}) {
+    torch::autograd::increment_version(*changed);
+  }
+}
+
 }  // namespace
 }  // namespace linnet
 
@@ -320,6 +348,7 @@ TORCH_LIBRARY_IMPL(linnet, Autograd, m) {
         return linnet::After::apply(x, forward_deps, backward_deps);
       });
   m.impl("wait", [](const at::Tensor& tensor) { return linnet::Wait::apply(tensor); });
+  m.impl("adam_step_", &linnet::adam_step_autograd);
   m.impl(
       "wait_gathered",
       [](const at::Tensor& gathered,

@@ -122,4 +122,12 @@ TORCH_LIBRARY(linnet, m) {
       "str group_name, str replicate_group_name=\"\", int replicas=1) -> Tensor",
       torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::wait_gathered),
       tags);
+  // Adam's step of one parameter, in place, for a backward to take where the
+  // gradient arrives (the lr a tensor, so that a schedule changes no graph).
+  m.def(
+      "adam_step_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!) step, "
+      "Tensor gradient, Tensor lr, float beta1, float beta2, float weight_decay, float eps, "
+      "bool decoupled=True) -> ()",
+      torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::adam_step_),
+      tags);
 }

@@ -74,6 +74,23 @@ std::vector<at::Tensor> group_views(
     at::IntArrayRef shapes,
     at::IntArrayRef ndims);
 
+// Adam's step of one parameter from its gradient, in place (param, its two
+// moments, and its step count, a 0-d f32 tensor on the parameter's device):
+// AdamW's decoupled weight decay if `decoupled`, Adam's L2 otherwise, with
+// the numerics of torch.optim.Adam(W)(fused=True) (csrc/adam_step.cpp).
+void adam_step_(
+    at::Tensor& param,
+    at::Tensor& exp_avg,
+    at::Tensor& exp_avg_sq,
+    at::Tensor& step,
+    const at::Tensor& gradient,
+    const at::Tensor& lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool decoupled);
+
 // Checks that a backend's kernels accept: a floating dtype (what the copy
 // kernels are instantiated for).
 void check_floating(const at::Tensor& tensor, const char* op, const char* what);

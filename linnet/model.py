@@ -150,6 +150,10 @@ class LoadedModel(ABC):
         if entry not in self._compiled:
             raise AttributeError(f"{self.card.name} was loaded with entries {self.entries}, not {entry!r}")
         self._agree(lambda: self._check_inputs(entry, inputs), f"{entry}() inputs")
+        return self._call(entry, inputs)
+
+    def _call(self, entry: str, inputs):
+        """The entry's compiled function, called with the weights and checked inputs."""
         return self._compiled[entry](self.params, *inputs)
 
     def _check_inputs(self, entry: str, inputs) -> None:

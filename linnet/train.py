@@ -18,6 +18,7 @@ runs (linnet/torch/replicas.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -31,6 +32,7 @@ from linnet import watchdog
 from linnet.agree import cpu_group, raise_together
 from linnet.history import History, Progress, Step
 from linnet.packing import Example, Row, pack
+from linnet.torch.step_in_backward import stepping_in_backward, supported
 from linnet.torch.replicas import backward_and_step
 
 __all__ = ["Example", "pack", "cosine_schedule", "train", "evaluate", "History", "Step"]
@@ -166,17 +168,25 @@ def train(
     on_step: Callable[[Step], None] | None = None,
     checkpoint: str | None = None,
     checkpoint_every: int | None = None,
+    step_in_backward: bool | None = None,
 ) -> History:
     """`steps` optimizer steps over `batches` (this rank's rows); resumes from `checkpoint` if it holds one,
     and saves into it every `checkpoint_every` steps (if given) and after the last. The run holds the
     checkpoint folder until it returns (another run pointed at it stops at once, naming this one), and
-    checks before its first step that it can write a checkpoint there."""
+    checks before its first step that it can write a checkpoint there.
+
+    step_in_backward: the optimizer steps each parameter in the backward, where its gradient is complete,
+    so that no step holds every gradient at once (linnet/torch/step_in_backward.py): None (the default)
+    where the optimizer allows it (Adam or AdamW without amsgrad, maximize, differentiable or step hooks),
+    True requires it, False steps after the backward."""
     from linnet.checkpoint import Checkpointer
 
     _check_model(model)
+    stepping = _stepping(model, optimizer, step_in_backward)
     checkpointer = Checkpointer(checkpoint, model, optimizer, schedule, steps=steps) if checkpoint is not None else None
     try:
-        return _train(model, batches, optimizer, steps, schedule, on_step, checkpointer, checkpoint_every)
+        with stepping:
+            return _train(model, batches, optimizer, steps, schedule, on_step, checkpointer, checkpoint_every)
     except RuntimeError as error:
         # A collective that failed because peers went away (a machine died): name them, not an address.
         if watchdog.from_communication(error) and (lost := watchdog.lost_ranks()) is not None:
@@ -185,6 +195,16 @@ def train(
     finally:
         if checkpointer is not None:
             checkpointer.close()
+
+
+def _stepping(model, optimizer: torch.optim.Optimizer, asked: bool | None):
+    """The context that `train` runs in: the optimizer's step in the backward, or none."""
+    reason = supported(optimizer)
+    if asked is False or (asked is None and reason is not None):
+        return contextlib.nullcontext()
+    if reason is not None:
+        raise ValueError(f"train(step_in_backward=True): {reason}")
+    return stepping_in_backward(model, optimizer)
 
 
 def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, steps: int, schedule,

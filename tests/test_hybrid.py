@@ -92,7 +92,7 @@ def _hooked_adamw(params, **settings) -> torch.optim.AdamW:
     return optimizer
 
 
-def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_class) -> tuple:
+def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_class, in_backward: bool | None = None) -> tuple:
     """Train on 2 x 2: for each optimizer.step(), the names of the parts that had a gradient; and the losses."""
     from linnet.train import train
 
@@ -107,19 +107,25 @@ def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_clas
         return step(*args, **kwargs)
 
     optimizer.step = recorded
-    history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=2, on_step=lambda s: None)
+    history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=2, on_step=lambda s: None,
+                    step_in_backward=in_backward)
     return calls, [s.loss for s in history.steps]
 
 
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_train_steps_the_parts_reduced_last_once_the_rest_are_stepped(card, compile):
     """The first layer's and the tied embedding's parts are reduced last: train averages them across the replicas
-    under the optimizer's step of every other part, then steps them; the losses are single-process training's."""
+    under the optimizer's step of every other part (taken in the backward, or, asked to, by the first step()),
+    then steps them; the losses are single-process training's."""
     expected_losses, _ = reference(card, 4)
     everything = ["embedding", "head", "layer 0", "layer 1"]
     for calls, losses in run(steps_taken, 4, card, compile, torch.optim.AdamW, timeout=900 if compile else 300):
-        assert calls == [["head", "layer 1"], ["embedding", "layer 0"]] * 2
+        assert calls == [[], ["embedding", "layer 0"]] * 2  # the others stepped in the backward
         np.testing.assert_allclose(losses, expected_losses[:2], rtol=1e-5)
+    if compile is None:
+        for calls, losses in run(steps_taken, 4, card, None, torch.optim.AdamW, False, timeout=300):
+            assert calls == [["head", "layer 1"], ["embedding", "layer 0"]] * 2
+            np.testing.assert_allclose(losses, expected_losses[:2], rtol=1e-5)
     for optimizer_class in (_AdamWOfItsOwn, _hooked_adamw):
         for calls, losses in run(steps_taken, 4, card, None, optimizer_class, timeout=300):
             assert calls == [everything] * 2  # averaged by the parts' hooks during the backward: one step

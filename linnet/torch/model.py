@@ -26,6 +26,8 @@ class TorchModel(LoadedModel):
         self.trainable, self.compile_mode, self.device = trainable, compile, device
         self.sharding = None  # set by linnet.torch.fully_shard
         self.late_parts = None  # set by fully_shard with replicas: the parts reduced last (linnet/torch/replicas.py)
+        self.stepping = None  # an optimizer stepping in the backward, while it does (linnet/torch/step_in_backward.py)
+        self._stepping_entries: dict = {}
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
@@ -71,6 +73,19 @@ class TorchModel(LoadedModel):
             options = {"reorder_for_peak_memory": False} if communicates or self.layer_region else {}
             return torch.compile(function, fullgraph=True, backend="inductor", options=options)
         return function
+
+    def _install(self, source: str, namespace: dict) -> None:
+        super()._install(source, namespace)
+        self._stepping_entries = {}  # compiled again from the new functions when first called
+
+    def _call(self, entry: str, inputs):
+        stepping = self.stepping
+        if stepping is None or not torch.is_grad_enabled():
+            return super()._call(entry, inputs)
+        if entry not in self._stepping_entries:
+            self._stepping_entries[entry] = self._compile(_with_steps_first(self.functions[entry]))
+        params = self.params
+        return self._stepping_entries[entry](params, stepping.states(params), *inputs)
 
     def _read_device(self) -> str:
         return str(self.device)
@@ -157,3 +172,16 @@ class TorchModel(LoadedModel):
 
     def __repr__(self) -> str:
         return f"TorchModel({self.card.name}, entries={self.entries}, numerics={self.numerics!r}, device={self.device})"
+
+
+def _with_steps_first(function):
+    """The entry `function`, its weights first passed through the step in the backward (`states`)."""
+    from linnet.torch.step_in_backward import with_steps
+
+    def entry(params, states, *inputs):
+        return function(with_steps(params, states), *inputs)
+
+    # A code object of its own: torch.compile keeps its compiled graphs (and its limit on them) by code object.
+    entry.__name__ = entry.__qualname__ = f"{function.__name__}_stepping_in_backward"
+    entry.__code__ = entry.__code__.replace(co_name=entry.__name__)
+    return entry

@@ -99,6 +99,16 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
     return _ops.wait(tensor)
 
 
+def adam_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor,
+              gradient: torch.Tensor, lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float, eps: float,
+              decoupled: bool = True) -> None:
+    """Adam's step of `param` from `gradient`, in place, with its moments and its count (`step`, a 0-d f32
+    tensor on param's device, counted up first) and the learning rate `lr` (a 0-d tensor on the host, f64 to
+    step as a float rate does, or on param's device): AdamW's weight decay where `decoupled`, Adam's
+    otherwise; as torch.optim.Adam(W)(fused=True) steps."""
+    _ops.adam_step_(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled)
+
+
 def collective_overloads() -> frozenset:
     """The op overloads that communicate or wait, as a dispatch mode sees them
     (below autograd): a checkpoint policy recomputes these rather than save them."""
@@ -146,3 +156,8 @@ def _(x, forward_deps, backward_deps):
 @torch.library.register_fake("linnet::wait")
 def _(tensor):
     return torch.empty_like(tensor)
+
+
+@torch.library.register_fake("linnet::adam_step_")
+def _(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled=True):
+    return None

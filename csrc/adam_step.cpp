@@ -1,0 +1,57 @@
+// Adam's step of one parameter, as an op that a backward can call the moment
+// the parameter's gradient exists (linnet/torch/step_in_backward.py): the
+// gradient is read once and can be freed, rather than every parameter's
+// gradient held until an optimizer steps them all.
+#include <ATen/ATen.h>
+
+#include "ops.h"
+
+namespace linnet {
+
+void adam_step_(
+    at::Tensor& param,
+    at::Tensor& exp_avg,
+    at::Tensor& exp_avg_sq,
+    at::Tensor& step,
+    const at::Tensor& gradient,
+    const at::Tensor& lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool decoupled) {
+  TORCH_CHECK(
+      gradient.sizes() == param.sizes(),
+      "adam_step_: the gradient's shape ",
+      gradient.sizes(),
+      " is not the parameter's ",
+      param.sizes());
+  const at::Tensor* on_its_device[] = {&exp_avg, &exp_avg_sq, &step, &gradient};
+  for (const at::Tensor* tensor : on_its_device) {
+    TORCH_CHECK(
+        tensor->device() == param.device(),
+        "adam_step_: the moments, the count and the gradient must be on the parameter's device (",
+        param.device(),
+        "), got one on ",
+        tensor->device());
+  }
+  // On the host the rate is read as a double, as a float rate is: the step is the optimizer's to the bit.
+  TORCH_CHECK(
+      lr.dim() == 0 && (lr.is_cpu() || lr.device() == param.device()),
+      "adam_step_: lr must be a 0-d tensor on the CPU or on the parameter's device");
+  TORCH_CHECK(step.dim() == 0 && step.scalar_type() == at::kFloat, "adam_step_: step must be a 0-d float32 tensor");
+  // As torch.optim.Adam(W)(fused=True): the count first, then ATen's fused kernel, which reads it.
+  step.add_(1);
+  const at::Tensor grad = gradient.contiguous();
+  if (decoupled) {
+    at::_fused_adamw_(
+        {param}, {grad}, {exp_avg}, {exp_avg_sq}, {}, {step}, lr, beta1, beta2, weight_decay, eps,
+        /*amsgrad=*/false, /*maximize=*/false);
+  } else {
+    at::_fused_adam_(
+        {param}, {grad}, {exp_avg}, {exp_avg_sq}, {}, {step}, lr, beta1, beta2, weight_decay, eps,
+        /*amsgrad=*/false, /*maximize=*/false);
+  }
+}
+
+}  // namespace linnet

@@ -1,0 +1,178 @@
+"""Adam's step taken in the backward, a parameter at a time.
+
+An optimizer steps after the backward, so every gradient is held at once: for
+a model sharded in f32, as many bytes as its parts (8B on one GPU: 30 GiB of
+the 120 that weights, gradients and moments take). Here each parameter the
+optimizer trains passes, where the entry starts, through an identity whose
+backward runs once the parameter's whole gradient exists (after its
+reduce-scatter, and after every use of a tied weight): there it takes Adam's
+step (`linnet::adam_step_`: ATen's fused kernel, as `fused=True` steps) and
+the gradient is dropped. Compiled, the step is in the backward graph, and the
+gradient lives from its reduction to its step.
+
+    with stepping_in_backward(model, optimizer):
+        loss = model.loss_packed(...)
+        loss.backward()    # steps every parameter it reaches; their .grad stays None
+        optimizer.step()   # the others: none, or the parts averaged across replicas last
+
+The update is the optimizer's own: its moments and step counts in
+`optimizer.state` (what a checkpoint saves), its learning rate read from its
+parameter groups at each forward (a schedule's changes, in a tensor that the
+compiled graph reads). `train` steps this way where `supported` finds nothing
+against it: Adam or AdamW without amsgrad, maximize, differentiable or step
+hooks, which would each see a step that is not there. The parts whose mean
+across replicas follows the backward (linnet/torch/replicas.py) keep their
+gradient for the optimizer's step."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+from torch.optim import optimizer as optimizer_module
+
+from linnet.torch import ops
+
+
+class AdamSettings(NamedTuple):
+    """A parameter group's settings, constants of the compiled graph (a change compiles again)."""
+
+    beta1: float
+    beta2: float
+    weight_decay: float
+    eps: float
+    decoupled: bool  # AdamW's weight decay; Adam's (L2, in the gradient) otherwise
+
+
+class PartState(NamedTuple):
+    """What a parameter's step reads and changes: the optimizer's state, and its group's lr and settings."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor  # 0-d f32 on the parameter's device, as fused Adam keeps it
+    lr: torch.Tensor  # 0-d f64 on the host: the group's learning rate at this step, read as a float is
+    settings: AdamSettings
+
+
+def supported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `optimizer` cannot step in the backward, or None where it can."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"{type(optimizer).__name__} is not torch.optim.Adam or AdamW"
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+             optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks)
+    if any(hooks):
+        return "the optimizer has step hooks, which would not see the steps taken in the backward"
+    for index, group in enumerate(optimizer.param_groups):
+        for option in ("amsgrad", "maximize", "differentiable"):
+            if group.get(option):
+                return f"parameter group {index} sets {option}=True"
+    return None
+
+
+class _StepInBackward(torch.autograd.Function):
+    """The parameter, passed through; its gradient, once whole, steps it and goes no further."""
+
+    @staticmethod
+    def forward(ctx, param, exp_avg, exp_avg_sq, step, lr, settings):
+        ctx.save_for_backward(param, exp_avg, exp_avg_sq, step, lr)
+        ctx.settings = settings
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        param, exp_avg, exp_avg_sq, step, lr = ctx.saved_tensors
+        ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr, *ctx.settings)
+        return None, None, None, None, None, None
+
+
+def with_steps(params, states):
+    """`params` (the model's tree of weights) with each tensor that has a PartState in `states` (a tree of
+    the same shape, None where a tensor is not stepped) passed through the step in the backward."""
+    if isinstance(states, PartState):
+        return _StepInBackward.apply(params, states.exp_avg, states.exp_avg_sq, states.step, states.lr,
+                                     states.settings)
+    if states is None:
+        return params
+    if isinstance(params, dict):
+        return {key: with_steps(value, states.get(key)) for key, value in params.items()}
+    return [with_steps(value, state) for value, state in zip(params, states)]
+
+
+class InBackward:
+    """The step in the backward of one model's parameters by one optimizer (`stepping_in_backward`)."""
+
+    def __init__(self, model, optimizer: torch.optim.Optimizer, skip=()):
+        reason = supported(optimizer)
+        if reason is not None:
+            raise ValueError(f"this optimizer cannot step in the backward: {reason}")
+        self.optimizer, self.device = optimizer, model.device
+        skipped = {id(t) for t in skip}
+        self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]
+                         if p.requires_grad and id(p) not in skipped}
+        self.lrs = [torch.zeros((), dtype=torch.float64) for _ in optimizer.param_groups]
+        seen: set[int] = set()
+        for tensor in _leaves(model.params):
+            if id(tensor) in seen:
+                raise ValueError("a tensor appears twice in the model's weights: its gradient would be stepped twice")
+            seen.add(id(tensor))
+            if id(tensor) in self.group_of and tensor.device != self.device:
+                raise ValueError(f"a trained tensor is on {tensor.device}, the model on {self.device}")
+
+    def states(self, params):
+        """The tree of PartStates for `params` at this step: the learning rates as the groups hold them now,
+        and the state of a parameter stepped for the first time made as Adam makes it."""
+        settings = []
+        for lr, group in zip(self.lrs, self.optimizer.param_groups):
+            lr.copy_(group["lr"]) if torch.is_tensor(group["lr"]) else lr.fill_(group["lr"])
+            decoupled = group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)
+            settings.append(AdamSettings(*map(float, group["betas"]), float(group["weight_decay"]),
+                                         float(group["eps"]), bool(decoupled)))
+        return self._tree(params, settings)
+
+    def _tree(self, params, settings):
+        if isinstance(params, torch.Tensor):
+            group = self.group_of.get(id(params))
+            if group is None:
+                return None
+            state = self._state(params)
+            return PartState(state["exp_avg"], state["exp_avg_sq"], state["step"], self.lrs[group], settings[group])
+        if isinstance(params, dict):
+            return {key: self._tree(value, settings) for key, value in params.items()}
+        return [self._tree(value, settings) for value in params]
+
+    def _state(self, param: torch.Tensor) -> dict:
+        state = self.optimizer.state[param]
+        if not state:  # as Adam's first step makes it (fused: the count on the device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        elif state["step"].device != param.device:  # loaded from a checkpoint by an optimizer that counts on the host
+            state["step"] = state["step"].to(param.device, torch.float32)
+        return state
+
+
+def _leaves(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    else:
+        for value in tree:
+            yield from _leaves(value)
+
+
+@contextmanager
+def stepping_in_backward(model, optimizer: torch.optim.Optimizer):
+    """Inside, a backward through the model's entries steps each parameter the optimizer trains (but the
+    parts reduced last across replicas) where its gradient is complete; `optimizer.step()` after it steps
+    the rest. Raises ValueError where `supported` finds a reason the optimizer cannot."""
+    late = model.late_parts.parts if model.late_parts is not None else ()
+    if model.stepping is not None:
+        raise RuntimeError("the model already steps in the backward: stepping_in_backward is not reentrant")
+    model.stepping = InBackward(model, optimizer, skip=late)
+    try:
+        yield model.stepping
+    finally:
+        model.stepping = None

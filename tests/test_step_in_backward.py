@@ -1,0 +1,161 @@
+"""Adam's step taken in the backward (linnet/torch/step_in_backward.py): the op
+steps as torch.optim.Adam(W)(fused=True) does, and training that steps each
+part where its gradient is complete equals training that steps after the
+backward, bit for bit, eager and compiled, on one rank and on two."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run
+from hf_models import write_tied_card
+from linnet import nest
+from linnet.packing import Example, pack
+from linnet.torch import ops
+from linnet.torch.step_in_backward import stepping_in_backward, supported
+
+ROW = 64
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def card(tmp_path_factory):
+    return write_tied_card(tmp_path_factory.mktemp("card"))
+
+
+def rows(world: int) -> list:
+    rng = np.random.default_rng(3)
+    examples = [Example.prompted(rng.integers(0, 211, rng.integers(3, 20)).tolist(),
+                                 rng.integers(0, 211, rng.integers(2, 15)).tolist()) for _ in range(50 * world)]
+    return list(pack(examples, ROW))[: STEPS * world]
+
+
+@pytest.mark.parametrize("kind, weight_decay", [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.0)])
+def test_the_op_steps_as_fused_adam(kind, weight_decay):
+    generator = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(1000, generator=generator))
+    gradients = [torch.randn(1000, generator=generator) for _ in range(3)]
+    optimizer = kind([param], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay, fused=True)
+    mine = param.detach().clone()
+    exp_avg, exp_avg_sq, step = torch.zeros(1000), torch.zeros(1000), torch.zeros(())
+    lr = torch.tensor(1e-2)
+    for gradient in gradients:
+        param.grad = gradient
+        optimizer.step()
+        ops.adam_step(mine, exp_avg, exp_avg_sq, step, gradient, lr, 0.8, 0.99, weight_decay, 1e-6,
+                      decoupled=kind is torch.optim.AdamW)
+    state = optimizer.state[param]
+    assert torch.equal(mine, param.detach())
+    assert torch.equal(exp_avg, state["exp_avg"]) and torch.equal(exp_avg_sq, state["exp_avg_sq"])
+    assert float(step) == float(state["step"]) == 3
+
+
+def test_the_op_passes_opcheck():
+    """Schema (what it changes in place), fake kernel, and its run under AOT autograd's functionalisation."""
+    generator = torch.Generator().manual_seed(1)
+    args = (torch.randn(64, generator=generator), torch.zeros(64), torch.zeros(64), torch.zeros(()),
+            torch.randn(64, generator=generator), torch.tensor(1e-3, dtype=torch.float64), 0.9, 0.999, 0.01, 1e-8, True)
+    torch.library.opcheck(torch.ops.linnet.adam_step_.default, args)
+
+
+def test_the_op_names_a_mismatched_gradient():
+    param, lr = torch.zeros(8), torch.tensor(1e-3)
+    with pytest.raises(RuntimeError, match=r"the gradient's shape \[4\] is not the parameter's \[8\]"):
+        ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(()), torch.zeros(4), lr, 0.9, 0.999, 0.0, 1e-8)
+    with pytest.raises(RuntimeError, match="step must be a 0-d float32 tensor"):
+        ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(1), torch.zeros(8), lr, 0.9, 0.999, 0.0, 1e-8)
+
+
+def test_only_plain_adam_steps_in_the_backward():
+    param = torch.nn.Parameter(torch.zeros(4))
+    assert supported(torch.optim.AdamW([param])) is None
+    assert supported(torch.optim.Adam([param], weight_decay=0.1)) is None
+    assert "SGD is not torch.optim.Adam or AdamW" in supported(torch.optim.SGD([param], lr=0.1))
+    assert "amsgrad=True" in supported(torch.optim.AdamW([param], amsgrad=True))
+    assert "maximize=True" in supported(torch.optim.Adam([param], maximize=True))
+    hooked = torch.optim.AdamW([param])
+    hooked.register_step_post_hook(lambda optimizer, args, kwargs: None)
+    assert "step hooks" in supported(hooked)
+
+
+def training(rank: int, world: int, card, compile: str | None, in_backward: bool, optimizer_kind=torch.optim.AdamW):
+    """STEPS of linnet.train, sharded over `world` ranks: the losses, the parts, the optimizer's state."""
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    torch.set_num_threads(1)  # the same sums in the same order, run to run
+    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
+                      cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
+    fully_shard(model)
+    optimizer = optimizer_kind(list(model.parameters()), lr=3e-3, weight_decay=0.1, eps=1e-6, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))  # the lr changes each step
+    history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, schedule=schedule,
+                    on_step=lambda s: None, step_in_backward=in_backward)
+    parts = [p.detach().numpy().copy() for p in model.parameters()]  # (numpy: tensors do not cross processes here)
+    states = [{key: value.cpu().numpy().copy() for key, value in optimizer.state[p].items()} for p in model.parameters()]
+    return [s.loss for s in history.steps], parts, states
+
+
+def assert_same_training(actual, expected):
+    assert actual[0] == expected[0]
+    for mine, theirs in zip(actual[1], expected[1]):
+        np.testing.assert_array_equal(mine, theirs)
+    for mine, theirs in zip(actual[2], expected[2]):
+        assert mine.keys() == theirs.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key in mine:
+            np.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_training_that_steps_in_the_backward_equals_stepping_after(card, compile, world):
+    after, within = (run(training, world, card, compile, in_backward, timeout=300) for in_backward in (False, True))
+    for rank in range(world):
+        assert_same_training(within[rank], after[rank])
+
+
+def test_adam_with_l2_steps_in_the_backward_as_after(card):
+    after, within = (run(training, 1, card, None, in_backward, torch.optim.Adam)[0] for in_backward in (False, True))
+    assert_same_training(within, after)
+
+
+def one_backward(rank: int, world: int, card, compile: str | None):
+    """Inside stepping_in_backward, a backward leaves no gradient and moves every part; outside, the same
+    backward leaves every gradient and moves none."""
+    from linnet.torch import fully_shard
+
+    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
+                      cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2)
+    row = rows(world)[rank]
+    inputs = [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
+    before = [p.detach().clone() for p in model.parameters()]
+    with stepping_in_backward(model, optimizer):
+        model.loss_packed(*inputs).backward()
+    stepped = [p.grad is None and not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)]
+    before = [p.detach().clone() for p in model.parameters()]
+    model.loss_packed(*inputs).backward()
+    kept = [p.grad is not None and torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)]
+    return stepped, kept, [float(s["step"]) for s in optimizer.state.values()]
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_a_backward_inside_steps_every_part_and_keeps_no_gradient(card, compile):
+    for stepped, kept, steps in run(one_backward, 2, card, compile, timeout=300):
+        assert all(stepped) and all(kept)
+        assert steps == [1.0] * len(stepped)
+
+
+def test_train_asked_to_step_in_the_backward_names_why_it_cannot(card):
+    from linnet.train import train
+
+    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
+                      cast_dtype=True, trainable=True, weights="random", seed=0, entry="loss_packed")
+    optimizer = torch.optim.SGD(list(model.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match=r"train\(step_in_backward=True\): SGD is not torch.optim.Adam or AdamW"):
+        train(model, iter(rows(1)), optimizer=optimizer, steps=1, on_step=lambda s: None, step_in_backward=True)
+    history = train(model, iter(rows(1)), optimizer=optimizer, steps=1, on_step=lambda s: None)  # steps after
+    assert len(history.steps) == 1 and model.stepping is None
