@@ -175,10 +175,10 @@ def train(
     checkpoint folder until it returns (another run pointed at it stops at once, naming this one), and
     checks before its first step that it can write a checkpoint there.
 
-    step_in_backward: the optimizer steps each parameter in the backward, where its gradient is complete,
-    so that no step holds every gradient at once (linnet/torch/step_in_backward.py): None (the default)
-    where the optimizer allows it (Adam or AdamW without amsgrad, maximize, differentiable or step hooks),
-    True requires it, False steps after the backward."""
+    step_in_backward: the optimizer steps each part in the backward, where its gradient is complete, so
+    that no step holds every gradient at once (linnet/torch/step_in_backward.py): None (the default) where
+    the model is sharded and the optimizer allows it (Adam or AdamW without amsgrad, maximize,
+    differentiable or step hooks), True requires it, False steps after the backward."""
     from linnet.checkpoint import Checkpointer
 
     _check_model(model)
@@ -199,7 +199,7 @@ def train(
 
 def _stepping(model, optimizer: torch.optim.Optimizer, asked: bool | None):
     """The context that `train` runs in: the optimizer's step in the backward, or none."""
-    reason = supported(optimizer)
+    reason = supported(model, optimizer)
     if asked is False or (asked is None and reason is not None):
         return contextlib.nullcontext()
     if reason is not None:

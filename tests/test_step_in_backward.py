@@ -5,6 +5,8 @@ backward, bit for bit, eager and compiled, on one rank and on two."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -68,16 +70,17 @@ def test_the_op_names_a_mismatched_gradient():
         ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(1), torch.zeros(8), lr, 0.9, 0.999, 0.0, 1e-8)
 
 
-def test_only_plain_adam_steps_in_the_backward():
-    param = torch.nn.Parameter(torch.zeros(4))
-    assert supported(torch.optim.AdamW([param])) is None
-    assert supported(torch.optim.Adam([param], weight_decay=0.1)) is None
-    assert "SGD is not torch.optim.Adam or AdamW" in supported(torch.optim.SGD([param], lr=0.1))
-    assert "amsgrad=True" in supported(torch.optim.AdamW([param], amsgrad=True))
-    assert "maximize=True" in supported(torch.optim.Adam([param], maximize=True))
+def test_only_plain_adam_steps_a_sharded_model_in_the_backward():
+    param, sharded = torch.nn.Parameter(torch.zeros(4)), SimpleNamespace(sharding=object())
+    assert supported(sharded, torch.optim.AdamW([param])) is None
+    assert supported(sharded, torch.optim.Adam([param], weight_decay=0.1)) is None
+    assert "not sharded" in supported(SimpleNamespace(sharding=None), torch.optim.AdamW([param]))
+    assert "SGD is not torch.optim.Adam or AdamW" in supported(sharded, torch.optim.SGD([param], lr=0.1))
+    assert "amsgrad=True" in supported(sharded, torch.optim.AdamW([param], amsgrad=True))
+    assert "maximize=True" in supported(sharded, torch.optim.Adam([param], maximize=True))
     hooked = torch.optim.AdamW([param])
     hooked.register_step_post_hook(lambda optimizer, args, kwargs: None)
-    assert "step hooks" in supported(hooked)
+    assert "step hooks" in supported(sharded, hooked)
 
 
 def training(rank: int, world: int, card, compile: str | None, in_backward: bool, optimizer_kind=torch.optim.AdamW):
@@ -154,8 +157,49 @@ def test_train_asked_to_step_in_the_backward_names_why_it_cannot(card):
 
     model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
                       cast_dtype=True, trainable=True, weights="random", seed=0, entry="loss_packed")
-    optimizer = torch.optim.SGD(list(model.parameters()), lr=0.1)
-    with pytest.raises(ValueError, match=r"train\(step_in_backward=True\): SGD is not torch.optim.Adam or AdamW"):
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-3)
+    with pytest.raises(ValueError, match=r"train\(step_in_backward=True\): the model is not sharded"):
         train(model, iter(rows(1)), optimizer=optimizer, steps=1, on_step=lambda s: None, step_in_backward=True)
     history = train(model, iter(rows(1)), optimizer=optimizer, steps=1, on_step=lambda s: None)  # steps after
     assert len(history.steps) == 1 and model.stepping is None
+
+
+def backward_ops(rank: int, world: int, card) -> list[str]:
+    """The ops of one eager backward inside stepping_in_backward, in the order they ran: each step and
+    each matrix product."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linnet.torch import fully_shard
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.linnet.adam_step_.default, torch.ops.aten.mm.default):
+                self.names.append("step" if func is torch.ops.linnet.adam_step_.default else "mm")
+            return func(*args, **(kwargs or {}))
+
+    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
+                      cast_dtype=True, trainable=True, weights="random", seed=0, entry="loss_packed")
+    fully_shard(model, recompute="full")
+    row = rows(world)[rank]
+    inputs = [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
+    with stepping_in_backward(model, torch.optim.AdamW(list(model.parameters()), lr=1e-2)):
+        loss = model.loss_packed(*inputs)
+        with Record() as record:
+            loss.backward()
+    return record.names
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_part_steps_as_soon_as_its_gradient_is_complete(card, world):
+    """The steps come between the layers' backward products, not after them all: each part's gradient is
+    freed where it is complete (a step made where the entry starts would run once the backward is done).
+    On one rank the head's and the last layer's steps come before the first layer's products; over two,
+    prefetching a layer ahead, the head's does (a part is taken where its gather is launched)."""
+    for names in run(backward_ops, world, card, timeout=300):
+        assert names.count("step") == 4  # the head with the final norm, two layers, the tied embedding
+        last_product = len(names) - 1 - names[::-1].index("mm")
+        assert names[:last_product].count("step") == (2 if world == 1 else 1)

@@ -17,7 +17,7 @@ from linnet.cardlang.types import Dim
 # checkpoint: a card's own names may not use them.
 RESERVED = frozenset({
     "params", "gather", "checkpointed", "over_layers", "one_layer", "torch", "F", "math", "jax", "jnp", "np",
-    "launch_gather", "wait_gather", "launch_of", "hold", "after", "lookup", "across_replicas",
+    "launch_gather", "wait_gather", "launch_of", "hold", "take", "after", "lookup", "across_replicas",
     "parts", "part", "gathers", "i",
 })
 RESERVED_SUFFIX = "_weights"

@@ -22,7 +22,11 @@ its gather again, which is how the backward's gathers are placed. And
     x, part = hold(x, part)
 
 passes both through, and in the backward waits for the part's gradient when
-x's gradient passes (which the layers below need): where the wait goes.
+x's gradient passes (which the layers below need): where the wait goes. It
+also takes the part (`take`, which a loop on one rank calls at each layer's
+start): where `train` steps the optimizer in the backward, the part's step is
+made there, so that the backward reaches it once the gradient is complete
+(linnet/torch/step_in_backward.py).
 
 The layers whose backward comes first (the last prefetch + 1) keep their
 gathered weights from the forward (`keep=True`), as FSDP2 keeps its root's,
@@ -49,8 +53,8 @@ machine, and the mean across the replicas follows the backward
 (linnet/torch/replicas.py), under the optimizer's step of the other parts
 where `train` steps it, instead of ending the backward with nothing to hide it.
 
-The functions the lines call (hold, launch_gather, wait_gather, launch_of,
-after, across_replicas) are bound by linnet/torch/shard.py."""
+The functions the lines call (hold, take, launch_gather, wait_gather,
+launch_of, after, across_replicas) are bound by linnet/torch/shard.py."""
 
 from __future__ import annotations
 

@@ -367,6 +367,9 @@ class _Writer:
                     lines.append(f"{indent}{carried} = over_layers(one_layer, {carried}, params[{group.key!r}])")
                     continue
                 lines.append(f"{indent}for {statement.target.id} in params[{group.key!r}]:")
+                if self.sharded:  # one rank: the part taken where its layer starts (linnet/torch/shard.py)
+                    target = statement.target.id
+                    lines.append(f"{indent}    {target} = take({target})  # stepping in the backward: the part's step")
                 lines += self.block(statement.body, function, inner, set(fetched), indent + "    ")
                 continue
             translated = _Translate(self, function, loop_vars).visit(copy.deepcopy(statement))

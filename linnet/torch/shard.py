@@ -45,6 +45,7 @@ from linnet.emit.source import late_parts
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
 from linnet.torch.replicas import LateParts
+from linnet.torch.step_in_backward import taken
 from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, group_specs
 
 ALIGN = 16  # elements: each tensor of a group starts on a 64-byte boundary in f32
@@ -267,6 +268,7 @@ def _bindings(sharding: Sharding) -> dict:
         "wait_gather": partial(_wait_gather, sharding),
         "launch_of": _launch_of,
         "hold": partial(_hold, sharding),
+        "take": taken,
         "after": _after,
         "checkpointed": partial(_checkpointed, sharding.recompute, sharding.world),
         "lookup": partial(_lookup, sharding),
@@ -297,7 +299,7 @@ def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torc
 def _gather(sharding: Sharding, part: torch.Tensor, group: str, late: bool = False) -> dict[str, torch.Tensor]:
     """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once.
     late: the part is reduced last, its mean across the replicas left to after the backward."""
-    return _views(sharding, ops.wait(_all_gather(sharding, part, late)[0]), group)
+    return _views(sharding, ops.wait(_all_gather(sharding, taken(part), late)[0]), group)
 
 
 class Launched(NamedTuple):
@@ -347,8 +349,9 @@ class _WaitAcrossReplicas(torch.autograd.Function):
         return torch.ops._c10d_functional.wait_tensor(gradient)
 
 
-def _hold(sharding: Sharding, x: torch.Tensor, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compiled: (x, part) held for the backward (eager code waits where it gathers)."""
+def _hold(sharding: Sharding, x: torch.Tensor, part) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, the part `taken`); compiled, held for the backward (eager code waits where it gathers)."""
+    part = taken(part)
     if not torch.compiler.is_compiling():
         return x, part
     return _Hold.apply(x, part, sharding.replicas)
@@ -357,9 +360,12 @@ def _hold(sharding: Sharding, x: torch.Tensor, part: torch.Tensor) -> tuple[torc
 def _wait_across_replicas(sharding: Sharding, parts):
     """Compiled, with replicas: `parts` (a part or a list), each gradient waited for where the backward
     ends; made before the layer loop, so that autograd reaches these nodes last."""
+    if isinstance(parts, list):
+        return [_wait_across_replicas(sharding, part) for part in parts]
+    part = taken(parts)  # here, before the wait's node, so that the step comes after the wait
     if not torch.compiler.is_compiling() or sharding.replicas == 1:
-        return parts
-    return [_WaitAcrossReplicas.apply(p) for p in parts] if isinstance(parts, list) else _WaitAcrossReplicas.apply(parts)
+        return part
+    return _WaitAcrossReplicas.apply(part)
 
 
 def _launch(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -459,6 +465,7 @@ def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group:
     token's row crosses the slow link, where an all-reduce would carry the table's part. As every
     other group's, the part's gradient is that of the mean of the ranks' losses."""
     layout, world, rank, replicas = sharding.layouts[group], sharding.world, sharding.rank, sharding.replicas
+    part = taken(part)
     index = layout.names.index(weight)
     (rows, width), offset = layout.shapes[index], layout.offsets[index]
     start = rank * layout.part_size

@@ -55,8 +55,10 @@ class PartState(NamedTuple):
     settings: AdamSettings
 
 
-def supported(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why `optimizer` cannot step in the backward, or None where it can."""
+def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `optimizer` cannot step `model`'s parts in the backward, or None where it can."""
+    if getattr(model, "sharding", None) is None:
+        return "the model is not sharded (linnet.torch.fully_shard), so its code has no place to step a part"
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return f"{type(optimizer).__name__} is not torch.optim.Adam or AdamW"
     hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
@@ -86,12 +88,28 @@ class _StepInBackward(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
+class Stepped(NamedTuple):
+    """A part that steps in the backward, as the entry receives it: `taken` where the code first uses it."""
+
+    part: torch.Tensor
+    state: PartState
+
+
+def taken(part):
+    """The part as the code uses it: a Stepped one through the step in the backward. Made where the part is
+    first used (the sharded code's bindings call this: linnet/torch/shard.py), so that autograd, which runs
+    the nodes made last first, reaches the step as soon as the gradient is complete, not at the end."""
+    if not isinstance(part, Stepped):
+        return part
+    state = part.state
+    return _StepInBackward.apply(part.part, state.exp_avg, state.exp_avg_sq, state.step, state.lr, state.settings)
+
+
 def with_steps(params, states):
-    """`params` (the model's tree of weights) with each tensor that has a PartState in `states` (a tree of
-    the same shape, None where a tensor is not stepped) passed through the step in the backward."""
+    """`params` (the model's tree of parts) with each part that has a PartState in `states` (a tree of the same
+    shape, None where a part is not stepped) made Stepped."""
     if isinstance(states, PartState):
-        return _StepInBackward.apply(params, states.exp_avg, states.exp_avg_sq, states.step, states.lr,
-                                     states.settings)
+        return Stepped(params, states)
     if states is None:
         return params
     if isinstance(params, dict):
@@ -103,7 +121,7 @@ class InBackward:
     """The step in the backward of one model's parameters by one optimizer (`stepping_in_backward`)."""
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, skip=()):
-        reason = supported(optimizer)
+        reason = supported(model, optimizer)
         if reason is not None:
             raise ValueError(f"this optimizer cannot step in the backward: {reason}")
         self.optimizer, self.device = optimizer, model.device
@@ -167,7 +185,7 @@ def _leaves(tree):
 def stepping_in_backward(model, optimizer: torch.optim.Optimizer):
     """Inside, a backward through the model's entries steps each parameter the optimizer trains (but the
     parts reduced last across replicas) where its gradient is complete; `optimizer.step()` after it steps
-    the rest. Raises ValueError where `supported` finds a reason the optimizer cannot."""
+    the rest. Raises ValueError where `supported` finds a reason it cannot."""
     late = model.late_parts.parts if model.late_parts is not None else ()
     if model.stepping is not None:
         raise RuntimeError("the model already steps in the backward: stepping_in_backward is not reentrant")
