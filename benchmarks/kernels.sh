@@ -7,8 +7,9 @@
 #   bash benchmarks/kernels.sh once [1b 8b 8b-w4]   a layer compiled once (LINNET_COMPILE_LAYERS_ONCE=1) against
 #                                          the unrolled function, caches off: first step, step, peak, and (8B) the
 #                                          memory and un-waited collectives after each step
-#   bash benchmarks/kernels.sh memory [1b 3b 8b]  the optimizer's step in the backward against after it (step.py
-#                                          --step-after): step, peak memory and first step, each shape (8B "gather")
+#   bash benchmarks/kernels.sh memory [1b 3b 8b 8b-matmuls]  the optimizer's step in the backward against after it
+#                                          (step.py --step-after): step, peak memory and first step, each shape
+#                                          (8b: recompute "gather"; an 8B pair takes about 7 minutes)
 # Logs under $OUT; each run's RESULT line is printed.
 source "$(dirname "$0")/stage.sh"
 case "${1:-}" in
@@ -39,7 +40,8 @@ case "${1:-}" in
     shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 3b 8b)
     for shape in "${shapes[@]}"; do
       case $shape in 1b) card=llama-3.2-1b; extra=() ;; 3b) card=llama-3.2-3b; extra=() ;;
-                     8b) card=llama-3.1-8b; extra=(--recompute gather) ;; esac
+                     8b) card=llama-3.1-8b; extra=(--recompute gather) ;;
+                     8b-matmuls) card=llama-3.1-8b; extra=(--recompute matmuls) ;; esac
       for when in in-backward after; do
         flag=(); [ $when = after ] && flag=(--step-after)
         run "linnet-$shape-step-$when" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --steps 12 "${extra[@]}" "${flag[@]}"

@@ -64,6 +64,29 @@ def test_sharded_training_over_nccl_equals_unsharded(nccl_world_of_one, compile)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_the_step_in_the_backward_equals_the_step_after_on_the_gpu(nccl_world_of_one, compile):
+    """In bf16, with fused AdamW (a host lr tensor read by the CUDA kernel) and an lr that changes each step:
+    the parts as the step after the backward leaves them."""
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    results = []
+    for in_backward in (False, True):
+        model = fully_shard(nest.load("tiny-llama", device="cuda", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"},
+                                      cast_dtype=True, trainable=True, weights="random", entry="loss_packed", compile=compile))
+        optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, fused=True)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+        history = train(model, iter(rows(4)), optimizer=optimizer, steps=4, schedule=schedule, on_step=lambda s: None,
+                        step_in_backward=in_backward)
+        results.append(([s.loss for s in history.steps], [p.detach().cpu() for p in model.parameters()]))
+    (losses_after, parts_after), (losses_within, parts_within) = results
+    # Not bit for bit, as on the CPU: a GPU's backward may add in any order (atomics), run to run.
+    np.testing.assert_allclose(losses_within, losses_after, rtol=1e-5)
+    for within, after in zip(parts_within, parts_after):
+        assert float((within - after).norm() / after.norm()) < 1e-5
+
+
 def test_causal_attention_runs_cudnns_kernel_and_equals_exact():
     """The fast numerics' causal attention, compiled, in bf16 with Llama 3.1 8B's heads: cuDNN's
     kernel runs (SDPA alone would choose FlashAttention-2, 1.8x slower on Hopper), and the output

@@ -1,14 +1,17 @@
-"""Adam's step taken in the backward, a parameter at a time.
+"""Adam's step taken in the backward, a part at a time.
 
 An optimizer steps after the backward, so every gradient is held at once: for
 a model sharded in f32, as many bytes as its parts (8B on one GPU: 30 GiB of
-the 120 that weights, gradients and moments take). Here each parameter the
-optimizer trains passes, where the entry starts, through an identity whose
-backward runs once the parameter's whole gradient exists (after its
-reduce-scatter, and after every use of a tied weight): there it takes Adam's
-step (`linnet::adam_step_`: ATen's fused kernel, as `fused=True` steps) and
-the gradient is dropped. Compiled, the step is in the backward graph, and the
-gradient lives from its reduction to its step.
+the 120 that weights, gradients and moments take). Here the entry receives
+each part the optimizer trains as `Stepped`, and the sharded code's bindings
+`take` it where they first use it (linnet/torch/shard.py): through an
+identity whose backward runs once the part's whole gradient exists (after its
+reduction, and after every use of a tied weight). There it takes Adam's step
+(`linnet::adam_step_`: ATen's fused kernel, as `fused=True` steps) and the
+gradient is dropped. The identity is made where the part is first used, not
+where the entry starts: autograd runs the nodes made last first, so a node
+made first would run once the whole backward was done. Compiled, the step is
+in the backward graph, and a gradient lives from its reduction to its step.
 
     with stepping_in_backward(model, optimizer):
         loss = model.loss_packed(...)
@@ -142,7 +145,10 @@ class InBackward:
         and the state of a parameter stepped for the first time made as Adam makes it."""
         settings = []
         for lr, group in zip(self.lrs, self.optimizer.param_groups):
-            lr.copy_(group["lr"]) if torch.is_tensor(group["lr"]) else lr.fill_(group["lr"])
+            if torch.is_tensor(group["lr"]):
+                lr.copy_(group["lr"])
+            else:
+                lr.fill_(group["lr"])
             decoupled = group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)
             settings.append(AdamSettings(*map(float, group["betas"]), float(group["weight_decay"]),
                                          float(group["eps"]), bool(decoupled)))
