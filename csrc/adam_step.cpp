@@ -26,6 +26,18 @@ void adam_step_(
       gradient.sizes(),
       " is not the parameter's ",
       param.sizes());
+  for (const at::Tensor* moment : {&exp_avg, &exp_avg_sq}) {
+    TORCH_CHECK(
+        moment->sizes() == param.sizes() && moment->scalar_type() == param.scalar_type(),
+        "adam_step_: a moment of shape ",
+        moment->sizes(),
+        " and dtype ",
+        moment->scalar_type(),
+        " for a parameter of shape ",
+        param.sizes(),
+        " and dtype ",
+        param.scalar_type());
+  }
   const at::Tensor* on_its_device[] = {&exp_avg, &exp_avg_sq, &step, &gradient};
   for (const at::Tensor* tensor : on_its_device) {
     TORCH_CHECK(
@@ -40,7 +52,8 @@ void adam_step_(
       lr.dim() == 0 && (lr.is_cpu() || lr.device() == param.device()),
       "adam_step_: lr must be a 0-d tensor on the CPU or on the parameter's device");
   TORCH_CHECK(step.dim() == 0 && step.scalar_type() == at::kFloat, "adam_step_: step must be a 0-d float32 tensor");
-  // As torch.optim.Adam(W)(fused=True): the count first, then ATen's fused kernel, which reads it.
+  // As torch.optim.Adam(W)(fused=True): the count first (every check above passed), then ATen's fused
+  // kernel, which reads it.
   step.add_(1);
   const at::Tensor grad = gradient.contiguous();
   if (decoupled) {

@@ -176,9 +176,10 @@ def train(
     checks before its first step that it can write a checkpoint there.
 
     step_in_backward: the optimizer steps each part in the backward, where its gradient is complete, so
-    that no step holds every gradient at once (linnet/torch/step_in_backward.py): None (the default) where
-    the model is sharded and the optimizer allows it (Adam or AdamW without amsgrad, maximize,
-    differentiable or step hooks), True requires it, False steps after the backward."""
+    that no step holds every gradient at once (with replicas, until the backward's waits across them;
+    linnet/torch/step_in_backward.py), as `fused=True` steps: None (the default) where the model is
+    sharded and the optimizer allows it (Adam or AdamW without amsgrad, maximize, differentiable, step
+    hooks or gradient hooks on a part), True requires it, False steps after the backward."""
     from linnet.checkpoint import Checkpointer
 
     _check_model(model)

@@ -42,7 +42,7 @@ def test_the_op_steps_as_fused_adam(kind, weight_decay):
     optimizer = kind([param], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay, fused=True)
     mine = param.detach().clone()
     exp_avg, exp_avg_sq, step = torch.zeros(1000), torch.zeros(1000), torch.zeros(())
-    lr = torch.tensor(1e-2)
+    lr = torch.tensor(1e-2, dtype=torch.float64)  # as the step in the backward passes it
     for gradient in gradients:
         param.grad = gradient
         optimizer.step()
@@ -66,21 +66,25 @@ def test_the_op_names_a_mismatched_gradient():
     param, lr = torch.zeros(8), torch.tensor(1e-3)
     with pytest.raises(RuntimeError, match=r"the gradient's shape \[4\] is not the parameter's \[8\]"):
         ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(()), torch.zeros(4), lr, 0.9, 0.999, 0.0, 1e-8)
+    with pytest.raises(RuntimeError, match=r"a moment of shape \[4\] and dtype Float for a parameter of shape \[8\]"):
+        ops.adam_step(param, torch.zeros(4), torch.zeros(8), torch.zeros(()), torch.zeros(8), lr, 0.9, 0.999, 0.0, 1e-8)
     with pytest.raises(RuntimeError, match="step must be a 0-d float32 tensor"):
         ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(1), torch.zeros(8), lr, 0.9, 0.999, 0.0, 1e-8)
 
 
 def test_only_plain_adam_steps_a_sharded_model_in_the_backward():
-    param, sharded = torch.nn.Parameter(torch.zeros(4)), SimpleNamespace(sharding=object())
+    param, sharded = torch.nn.Parameter(torch.zeros(4)), SimpleNamespace(sharding=object(), late_parts=None)
     assert supported(sharded, torch.optim.AdamW([param])) is None
     assert supported(sharded, torch.optim.Adam([param], weight_decay=0.1)) is None
-    assert "not sharded" in supported(SimpleNamespace(sharding=None), torch.optim.AdamW([param]))
+    assert "not sharded" in supported(SimpleNamespace(sharding=None, late_parts=None), torch.optim.AdamW([param]))
     assert "SGD is not torch.optim.Adam or AdamW" in supported(sharded, torch.optim.SGD([param], lr=0.1))
     assert "amsgrad=True" in supported(sharded, torch.optim.AdamW([param], amsgrad=True))
     assert "maximize=True" in supported(sharded, torch.optim.Adam([param], maximize=True))
     hooked = torch.optim.AdamW([param])
     hooked.register_step_post_hook(lambda optimizer, args, kwargs: None)
     assert "step hooks" in supported(sharded, hooked)
+    param.register_post_accumulate_grad_hook(lambda param: None)
+    assert "gradient hook" in supported(sharded, torch.optim.AdamW([param]))
 
 
 def training(rank: int, world: int, card, compile: str | None, in_backward: bool, optimizer_kind=torch.optim.AdamW):
@@ -203,3 +207,27 @@ def test_each_part_steps_as_soon_as_its_gradient_is_complete(card, world):
         assert names.count("step") == 4  # the head with the final norm, two layers, the tied embedding
         last_product = len(names) - 1 - names[::-1].index("mm")
         assert names[:last_product].count("step") == (2 if world == 1 else 1)
+
+
+def settings_changed(rank: int, world: int, card, in_backward: bool):
+    """Two compiled `train` runs on one model, the weight decay changed between them: the parts."""
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    torch.set_num_threads(1)
+    model = fully_shard(nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
+                                  cast_dtype=True, trainable=True, weights="random", seed=0, compile="inductor",
+                                  entry="loss_packed"))
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, fused=True)
+    for decay in (0.1, 0.3):
+        optimizer.param_groups[0]["weight_decay"] = decay
+        train(model, iter(rows(world)[:2]), optimizer=optimizer, steps=2, on_step=lambda s: None,
+              step_in_backward=in_backward)
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def test_a_changed_setting_compiles_the_step_again(card):
+    """The settings are the compiled step's constants: a new weight decay is a new graph, not a failed one."""
+    after, within = (run(settings_changed, 1, card, in_backward, timeout=600)[0] for in_backward in (False, True))
+    for mine, theirs in zip(within, after):
+        np.testing.assert_array_equal(mine, theirs)

@@ -63,7 +63,7 @@ class TorchModel(LoadedModel):
                              "backward launches again; use recompute='full', or unset LINNET_COMPILE_LAYERS_ONCE")
         return True
 
-    def _compile(self, function):
+    def _compile(self, function, dynamic: bool | None = None):
         if self.compile_mode == "inductor":
             # Communicating, the generated code's order is the schedule (linnet/emit/schedule.py): inductor's
             # reordering for peak memory would move collectives' waits next to their launches.
@@ -71,7 +71,7 @@ class TorchModel(LoadedModel):
             # activations after their buffers are reused (wrong gradients; benchmarks/NOTES.md).
             communicates = self.sharding is not None and self.sharding.world > 1
             options = {"reorder_for_peak_memory": False} if communicates or self.layer_region else {}
-            return torch.compile(function, fullgraph=True, backend="inductor", options=options)
+            return torch.compile(function, fullgraph=True, backend="inductor", options=options, dynamic=dynamic)
         return function
 
     def _install(self, source: str, namespace: dict) -> None:
@@ -83,7 +83,9 @@ class TorchModel(LoadedModel):
         if stepping is None or not torch.is_grad_enabled():
             return super()._call(entry, inputs)
         if entry not in self._stepping_entries:
-            self._stepping_entries[entry] = self._compile(_with_steps_first(self.functions[entry]))
+            # Static: the optimizer's settings (betas, eps, weight decay) arrive as floats, which are the graph's
+            # constants; a change compiles again (dynamic floats fail inside the backward's step).
+            self._stepping_entries[entry] = self._compile(_with_steps_first(self.functions[entry]), dynamic=False)
         params = self.params
         return self._stepping_entries[entry](params, stepping.states(params), *inputs)
 

@@ -358,8 +358,9 @@ def _hold(sharding: Sharding, x: torch.Tensor, part) -> tuple[torch.Tensor, torc
 
 
 def _wait_across_replicas(sharding: Sharding, parts):
-    """Compiled, with replicas: `parts` (a part or a list), each gradient waited for where the backward
-    ends; made before the layer loop, so that autograd reaches these nodes last."""
+    """`parts` (a part or a list), each `taken` (its step, stepping in the backward, made here: before the
+    wait, so that it comes after it); compiled, with replicas, each gradient waited for where the backward
+    ends. Made before the layer loop, so that autograd reaches these nodes last."""
     if isinstance(parts, list):
         return [_wait_across_replicas(sharding, part) for part in parts]
     part = taken(parts)  # here, before the wait's node, so that the step comes after the wait

@@ -18,12 +18,22 @@ in the backward graph, and a gradient lives from its reduction to its step.
         loss.backward()    # steps every parameter it reaches; their .grad stays None
         optimizer.step()   # the others: none, or the parts averaged across replicas last
 
-The update is the optimizer's own: its moments and step counts in
-`optimizer.state` (what a checkpoint saves), its learning rate read from its
-parameter groups at each forward (a schedule's changes, in a tensor that the
-compiled graph reads). `train` steps this way where `supported` finds nothing
-against it: Adam or AdamW without amsgrad, maximize, differentiable or step
-hooks, which would each see a step that is not there. The parts whose mean
+One entry call a backward: each call makes its own steps, so a second
+forward before the backward would step a part twice (autograd refuses it,
+as the first step changed what the second reads), and an error raised in
+the middle of a backward leaves the parts it reached stepped (`train`
+resumes from its checkpoint). With replicas (hybrid sharding) a step is
+made where the waits across replicas end the backward, so there every
+gradient is still held until then.
+
+The update is the optimizer's, as `fused=True` computes it (bit for bit;
+within rounding, 3e-8 after three steps, of the for-each and for-loop
+forms): its moments and step counts in `optimizer.state` (what a checkpoint
+saves), its learning rate read from its parameter groups at each forward (a
+schedule's changes, in a tensor that the compiled graph reads). `train`
+steps this way where `supported` finds nothing against it: Adam or AdamW
+without amsgrad, maximize, differentiable, step hooks or gradient hooks on a
+part, which would each see a step or a gradient that is not there. The parts whose mean
 across replicas follows the backward (linnet/torch/replicas.py) keep their
 gradient for the optimizer's step."""
 
@@ -39,7 +49,8 @@ from linnet.torch import ops
 
 
 class AdamSettings(NamedTuple):
-    """A parameter group's settings, constants of the compiled graph (a change compiles again)."""
+    """A parameter group's settings, constants of the compiled graph (the stepping entries compile with
+    dynamic=False: a change compiles again)."""
 
     beta1: float
     beta2: float
@@ -62,6 +73,11 @@ def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
     """Why `optimizer` cannot step `model`'s parts in the backward, or None where it can."""
     if getattr(model, "sharding", None) is None:
         return "the model is not sharded (linnet.torch.fully_shard), so its code has no place to step a part"
+    late = {id(p) for p in _late_parts(model)}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in late and (param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None)):
+                return "a trained part has a gradient hook, which would never see the gradient the step takes"
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return f"{type(optimizer).__name__} is not torch.optim.Adam or AdamW"
     hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
@@ -171,9 +187,16 @@ class InBackward:
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        elif state["step"].device != param.device:  # loaded from a checkpoint by an optimizer that counts on the host
+        elif state["step"].device != param.device or state["step"].dtype != torch.float32:
+            # loaded from a checkpoint by an optimizer that counts on the host (or in f64)
             state["step"] = state["step"].to(param.device, torch.float32)
         return state
+
+
+def _late_parts(model) -> list:
+    """The parts whose mean across replicas follows the backward: they keep their gradient."""
+    late = getattr(model, "late_parts", None)
+    return list(late.parts) if late is not None else []
 
 
 def _leaves(tree):
@@ -192,7 +215,7 @@ def stepping_in_backward(model, optimizer: torch.optim.Optimizer):
     """Inside, a backward through the model's entries steps each parameter the optimizer trains (but the
     parts reduced last across replicas) where its gradient is complete; `optimizer.step()` after it steps
     the rest. Raises ValueError where `supported` finds a reason it cannot."""
-    late = model.late_parts.parts if model.late_parts is not None else ()
+    late = _late_parts(model)
     if model.stepping is not None:
         raise RuntimeError("the model already steps in the backward: stepping_in_backward is not reentrant")
     model.stepping = InBackward(model, optimizer, skip=late)
