@@ -12,7 +12,9 @@ On a GPU the host runs a step ahead: what the ranks agree on before a step
 travels on the CPU (agree.cpu_group), and a step's loss and time (CUDA events)
 are read once the next step is launched, so the device never idles between
 steps waiting for the host. A step is reported then, and before a checkpoint.
-With hybrid sharding the optimizer steps the parts reduced last (the first
+Where the model and optimizer allow it, Adam steps each part in the backward,
+where its gradient is complete (linnet/torch/step_in_backward.py). With
+hybrid sharding the optimizer steps the parts reduced last (the first
 layer's) after the others, under whose step their mean across the machines
 runs (linnet/torch/replicas.py)."""
 
