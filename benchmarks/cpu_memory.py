@@ -87,6 +87,8 @@ class PeakInUse(threading.Thread):
         while not self.done.wait(0.001):
             info = self.mallinfo2()
             self.peak = max(self.peak, info.uordblks + info.hblkhd)
+
+
 vocab = model.checked.dims["Vocab"]
 
 

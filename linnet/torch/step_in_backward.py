@@ -139,14 +139,14 @@ def with_steps(params, states):
 class InBackward:
     """The step in the backward of one model's parameters by one optimizer (`stepping_in_backward`)."""
 
-    def __init__(self, model, optimizer: torch.optim.Optimizer, skip=()):
+    def __init__(self, model, optimizer: torch.optim.Optimizer):
         reason = supported(model, optimizer)
         if reason is not None:
             raise ValueError(f"this optimizer cannot step in the backward: {reason}")
         self.optimizer, self.device = optimizer, model.device
-        skipped = {id(t) for t in skip}
+        late = {id(p) for p in _late_parts(model)}  # they keep their gradient
         self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]
-                         if p.requires_grad and id(p) not in skipped}
+                         if p.requires_grad and id(p) not in late}
         self.lrs = [torch.zeros((), dtype=torch.float64) for _ in optimizer.param_groups]
         seen: set[int] = set()
         for tensor in _leaves(model.params):
@@ -215,10 +215,9 @@ def stepping_in_backward(model, optimizer: torch.optim.Optimizer):
     """Inside, a backward through the model's entries steps each parameter the optimizer trains (but the
     parts reduced last across replicas) where its gradient is complete; `optimizer.step()` after it steps
     the rest. Raises ValueError where `supported` finds a reason it cannot."""
-    late = _late_parts(model)
     if model.stepping is not None:
         raise RuntimeError("the model already steps in the backward: stepping_in_backward is not reentrant")
-    model.stepping = InBackward(model, optimizer, skip=late)
+    model.stepping = InBackward(model, optimizer)
     try:
         yield model.stepping
     finally:
