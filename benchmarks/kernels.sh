@@ -9,7 +9,9 @@
 #                                          memory and un-waited collectives after each step
 #   bash benchmarks/kernels.sh memory [1b 3b 8b 8b-matmuls]  the optimizer's step in the backward against after it
 #                                          (step.py --step-after): step, peak memory and first step, each shape
-#                                          (8b: recompute "gather"; an 8B pair takes about 7 minutes)
+#                                          (8b: recompute "gather"; an 8B pair takes about 7 minutes); WHEN
+#                                          picks the runs (default "in-backward after"; also recast, recast-after:
+#                                          step.py --recast, the casts made again in the backward)
 # Logs under $OUT; each run's RESULT line is printed.
 source "$(dirname "$0")/stage.sh"
 case "${1:-}" in
@@ -42,8 +44,9 @@ case "${1:-}" in
       case $shape in 1b) card=llama-3.2-1b; extra=() ;; 3b) card=llama-3.2-3b; extra=() ;;
                      8b) card=llama-3.1-8b; extra=(--recompute gather) ;;
                      8b-matmuls) card=llama-3.1-8b; extra=(--recompute matmuls) ;; esac
-      for when in in-backward after; do
-        flag=(); [ $when = after ] && flag=(--step-after)
+      for when in ${WHEN:-in-backward after}; do
+        case $when in in-backward) flag=() ;; after) flag=(--step-after) ;; recast) flag=(--recast) ;;
+                      recast-after) flag=(--recast --step-after) ;; esac
         run "linnet-$shape-step-$when" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --steps 12 "${extra[@]}" "${flag[@]}"
       done
     done ;;

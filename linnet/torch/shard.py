@@ -512,13 +512,19 @@ def _gather_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_SAVE
 
 
+# On one rank a gather is a cast. Keeping the casts costs their bf16 bytes (8B: about 13 GiB) and saves a
+# cast a layer in the backward; which pays is being measured (benchmarks/step.py --recast flips this).
+KEEP_ONE_RANK_CASTS = True
+
+
 def _one_rank_policy(ctx, func, *args, **kwargs):
     """On one rank a gather is a cast (and its reduce-scatter the cast of the gradient into the part's):
-    keep it rather than cast again in the backward; recompute views; keep everything else."""
+    keep it rather than cast again in the backward (unless KEEP_ONE_RANK_CASTS is off); recompute views;
+    keep everything else."""
     if getattr(func, "is_view", False):
         return CheckpointPolicy.MUST_RECOMPUTE
     if func in ops.collective_overloads():
-        return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SAVE if KEEP_ONE_RANK_CASTS else CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_SAVE
 
 
@@ -534,7 +540,7 @@ _PRODUCTS = frozenset({
 def _products_policy(world: int, ctx, func, *args, **kwargs):
     """Keep the products and attention; recompute the rest, the gathers among it (on one rank a gather
     is a cast, kept as the one-rank policy keeps it)."""
-    if func in _PRODUCTS or (func in ops.collective_overloads() and world == 1):
+    if func in _PRODUCTS or (func in ops.collective_overloads() and world == 1 and KEEP_ONE_RANK_CASTS):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
