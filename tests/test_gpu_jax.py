@@ -65,6 +65,14 @@ def test_fused_attention_equals_exact_on_packed_rows(documents, branch, monkeypa
     monkeypatch.setattr(jax.lax, "switch", lambda index, branches, *a: chosen.append(int(index)) or switch(index, branches, *a))
     prims_jax.attention_fast(*(x.astype(jnp.bfloat16) for x in (q, k, v)), fast_mask)
     assert chosen == ([] if branch is None else [branch])
+    if branch is not None:  # the host's choice (linnet.jax.train) is the switch's, and runs its kernel alone
+        kernel = prims_jax.rows_kernel(np.asarray(segments))
+        assert (kernel if hopper else min(kernel, 1)) == branch
+        bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+        chosen_on_host = jax.jit(lambda *x: prims_jax.attention_fast(*x, fast_mask, kernel=kernel))
+        assert "conditional" not in chosen_on_host.lower(*bf16).compile().as_text()
+        np.testing.assert_array_equal(np.asarray(chosen_on_host(*bf16)), np.asarray(jax.jit(
+            lambda *x: prims_jax.attention_fast(*x, fast_mask))(*bf16)))
     got, want = jax.grad(fast, argnums=(0, 1, 2))(q, k, v), jax.grad(exact, argnums=(0, 1, 2))(q, k, v)
     out_got = prims_jax.attention_fast(*(x.astype(jnp.bfloat16) for x in (q, k, v)), fast_mask).astype(jnp.float32)
     out_want = prims_jax.attention_exact(q, k, v, exact_mask)

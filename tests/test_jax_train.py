@@ -177,6 +177,36 @@ def test_remat_binds_the_recomputed_loss(card):
     assert "def cross_entropy(hidden, head, targets, weights, recompute=False):" in loss_source(False)
 
 
+def test_the_attention_kernel_chosen_on_the_host_trains_as_the_devices_choice(card, monkeypatch):
+    """On a GPU `train` picks the fast attention's kernel from each step's rows on the host (no lax.switch in
+    the step): one step function a kernel met, compiled when first met, and the same training. Here, as a
+    GPU would, on the CPU, whose attention is XLA's whichever is chosen; tests/test_gpu_jax.py checks on a
+    GPU that the host's choice is the switch's."""
+    from linnet.emit import prims_jax
+
+    rng = np.random.default_rng(3)
+    one_document = list(pack([Example.prompted(rng.integers(0, 211, 30).tolist(), rng.integers(0, 211, 34).tolist())
+                              for _ in range(4)], ROW))
+    assert all(row.is_one_document() for row in one_document)
+    batches = one_document[:2] + rows(2) + one_document[2:]  # steps of two rows: causal, packed, causal
+    expected = jax_train.train(load(card, numerics="fast"), batches, optimizer=adamw(), steps=3, mesh=mesh(2),
+                               on_step=lambda step: None)[1]
+    chosen, compiled, step_function = [], [], jax_train._step_function
+    monkeypatch.setattr(jax_train, "_attention_kernel",
+                        lambda model, mesh, segments: chosen.append(prims_jax.rows_kernel(segments)) or chosen[-1])
+    monkeypatch.setattr(jax_train, "_step_function", lambda *a: compiled.append(a[-1]) or step_function(*a))
+    history = jax_train.train(load(card, numerics="fast"), batches, optimizer=adamw(), steps=3, mesh=mesh(2),
+                              on_step=lambda step: None)[1]
+    assert chosen == [0, 1, 0] and compiled == [0, 1]
+    np.testing.assert_array_equal([s.loss for s in history.steps], [s.loss for s in expected.steps])
+    model = load(card, numerics="fast")
+    layouts = shard.group_layouts(model.checked, shard.shards(mesh(2)))
+    import inspect
+
+    attention = jax_train._sharded_loss_packed(model, layouts, "data", False, kernel=2).__globals__["attention"]
+    assert "def attention(q, k, v, mask, kernel=2):" in inspect.getsource(attention)
+
+
 def test_remat_wraps_the_layer_in_jax_checkpoint():
     def layer(x):
         return jnp.sin(x) * 2

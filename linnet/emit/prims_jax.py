@@ -79,14 +79,16 @@ def attention_exact(q, k, v, mask):
     return jnp.einsum("bhqk,bhkd->bhqd", probs, v)  # (B, H, S, Dh)
 
 
-def attention_fast(q, k, v, mask):
+def attention_fast(q, k, v, mask, kernel=None):
     # `mask` is what the fast masks give: None for causal attention, or the row's segments (B, S), the
     # documents numbered 0, 1, ... along each row. On an Ampere or later GPU, in bf16 or f16, cuDNN's
     # fused attention: causal where every row is one document; else, on Hopper or later, its packed
-    # layout (each document a segment, by its start and length) for up to 16 documents a row; else the
-    # dense document mask as a bias with the upper triangle skipped. The choice is made on the device, a
-    # lax.switch on the rows' document count (benchmarks/NOTES.md has the kernels side by side).
-    # Elsewhere, and in f32, XLA's attention. All take (B, S, H, Dh) and grouped heads as they are.
+    # layout (each document a segment, by its start and length) for up to 8 or 16 documents a row; else
+    # the dense document mask as a bias with the upper triangle skipped (benchmarks/NOTES.md has the
+    # kernels side by side). `kernel` is the choice, 0 to 3 in that order (`rows_kernel`), where the rows
+    # were seen on the host before the code was traced (linnet.jax.train: no conditional on the device);
+    # None: made on the device, a lax.switch on the rows' document count. Elsewhere, and in f32, XLA's
+    # attention. All take (B, S, H, Dh) and grouped heads as they are.
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     scale = q.shape[-1] ** -0.5
     device = jax.devices()[0]
@@ -125,6 +127,8 @@ def attention_fast(q, k, v, mask):
         out = causal(q, k, v)
     elif not fused:
         out = dense(q, k, v)
+    elif kernel is not None:
+        out = ([causal, packed(8), packed(16), dense][kernel] if packs else [causal, dense][min(kernel, 1)])(q, k, v)
     else:
         branches, bounds = ([causal, packed(8), packed(16), dense], [1, 8, 16]) if packs else ([causal, dense], [1])
         which = jnp.searchsorted(jnp.array(bounds, jnp.int32), jnp.max(mask) + 1)  # by the most documents a row
@@ -132,6 +136,15 @@ def attention_fast(q, k, v, mask):
         ordered = jnp.all(mask[:, 1:] >= mask[:, :-1]) & (jnp.min(mask) >= 0)
         out = jax.lax.switch(jnp.where(ordered, which, len(branches) - 1), branches, q, k, v)
     return out.transpose(0, 2, 1, 3)  # (B, H, S, Dh)
+
+
+def rows_kernel(segments: np.ndarray) -> int:
+    """attention_fast's choice for these rows' segments (B, S), made on the host as its lax.switch makes
+    it on the device: 0 causal (one document a row), 1 and 2 the packed layout (up to 8 and 16
+    documents), 3 the dense mask (more, or segments not numbered 0, 1, ... along the rows)."""
+    segments = np.asarray(segments)
+    ordered = bool(np.all(segments[:, 1:] >= segments[:, :-1])) and int(segments.min()) >= 0
+    return int(np.searchsorted([1, 8, 16], int(segments.max()) + 1)) if ordered else 3
 
 
 def causal_mask_fast(tokens):

@@ -136,8 +136,8 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             checkpointer.check_room(parts, opt_state)
         if scan_layers and layers_separable(optimizer, parts):  # after resuming: checkpoints hold a part a layer
             parts, opt_state = shard.stack_layers(parts, mesh), shard.stack_layers(opt_state, mesh)
-        step_function = _step_function(model, layouts, mesh, optimizer, remat, parts,
-                                       shard.placements((parts, opt_state), parts, mesh))
+        state_placements = shard.placements((parts, opt_state), parts, mesh)
+        step_functions = {}  # by the attention kernel the rows take (_attention_kernel), each compiled when first met
         placement = NamedSharding(mesh, _rows_spec(mesh))
         report = on_step or Progress(steps, 0)
         for step in range(history.resumed_from + 1, steps + 1):
@@ -147,10 +147,13 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
                                  f"({own_rows // batch} devices x Batch {batch}{_of_all(mesh)})")
             for index, row in enumerate(chunk):
                 row.check_ids(model.checked.dims["Vocab"], f"step {step}, row {index}")
-            inputs = [jax.make_array_from_process_local_data(placement, array)
-                      for array in _stack(chunk, model.generics["MaxSeq"])]
+            arrays = _stack(chunk, model.generics["MaxSeq"])
+            kernel = _attention_kernel(model, mesh, arrays[_FIELDS.index("segments")])
+            if kernel not in step_functions:
+                step_functions[kernel] = _step_function(model, layouts, mesh, optimizer, remat, parts, state_placements, kernel)
+            inputs = [jax.make_array_from_process_local_data(placement, array) for array in arrays]
             start = time.perf_counter()
-            parts, opt_state, (loss, weight) = step_function(parts, opt_state, *inputs)
+            parts, opt_state, (loss, weight) = step_functions[kernel](parts, opt_state, *inputs)
             loss, weight = float(loss.addressable_data(0)), float(weight.addressable_data(0))  # waits for the step
             seconds = time.perf_counter() - start
             model.params = parts
@@ -307,16 +310,35 @@ def _check_positions(row: Row, positions: int) -> None:
                          f"pack(examples, {positions})")
 
 
-def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool):
-    """The card's `loss_packed` in its sharded form, run inside shard_map over `axis`: (parts, *inputs) -> loss."""
+def _attention_kernel(model: JaxModel, mesh: Mesh, segments: np.ndarray) -> int | None:
+    """The fast attention's kernel for a step's rows (prims_jax.rows_kernel), chosen on the host, where it
+    is a choice (fast numerics on a GPU): the step then holds no lax.switch, whose branch index XLA reads
+    back on the host, or runs as a conditional inside its command buffers (benchmarks/NOTES.md). Over
+    several processes the one that suits every process's rows (the higher number: the dense mask suits
+    any rows, the packed layout for 16 any of up to 16 documents)."""
+    if model.numerics != "fast" or mesh.devices.flat[0].platform != "gpu":
+        return None
+    kernel = prims_jax.rows_kernel(segments)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        kernel = int(np.max(multihost_utils.process_allgather(np.int32(kernel))))
+    return kernel
+
+
+def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool, kernel: int | None = None):
+    """The card's `loss_packed` in its sharded form, run inside shard_map over `axis`: (parts, *inputs) -> loss.
+    kernel: the fast attention's, chosen on the host (_attention_kernel), or None: on the device."""
     dtype = JAX_DTYPES[model.generics[model.checked.program.compute_dtype]]
     namespace = {"gather": partial(shard.gather, layouts, axis, dtype), "checkpointed": partial(shard.checkpointed, remat),
                  "over_layers": shard.over_layers}
+    primitives = {}
+    if kernel is not None:
+        primitives["attention"] = partial(prims_jax.attention_fast, kernel=kernel)
     # With remat the fast loss is recomputed in the backward too: its one-pass form then cost a gradient's
     # worth of memory (prims_jax.cross_entropy_chunked says what was measured).
-    primitives = None
     if remat and model.numerics == "fast":
-        primitives = {"cross_entropy": partial(prims_jax.cross_entropy_chunked, recompute=True)}
+        primitives["cross_entropy"] = partial(prims_jax.cross_entropy_chunked, recompute=True)
     return model.execute(model.emit(sharded=True, primitives=primitives), namespace)["loss_packed"]
 
 
@@ -335,10 +357,11 @@ def _evaluate_function(model: JaxModel, layouts, mesh: Mesh):
                    compiler_options=xla_options(mesh.devices.flat[0].platform))
 
 
-def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, parts, state_placements):
+def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, parts, state_placements,
+                   kernel: int | None):
     axis, every = shard.shard_axis(mesh), tuple(mesh.axis_names)
     part_specs = jax.tree.map(lambda part: shard.part_spec(part, axis), parts)
-    loss_packed = _sharded_loss_packed(model, layouts, axis, remat)
+    loss_packed = _sharded_loss_packed(model, layouts, axis, remat, kernel)
 
     def device_step(parts, tokens, targets, positions, segments, weights):
         local = jnp.sum(weights)
