@@ -214,14 +214,18 @@ def _evaluate_sharded(model: JaxModel, rows: list[Row], weights: shard.ShardedWe
     mesh = weights.mesh
     rows_a_step = mesh.size * model.generics["Batch"]
     placement = NamedSharding(mesh, _rows_spec(mesh))
-    function = _evaluate_function(model, weights.layouts, mesh)
+    functions = {}  # by the attention kernel the rows take, as in train
     loss_sum = weight_sum = 0.0
     for start in range(0, len(rows), rows_a_step):  # every process holds every row, and places its own
         chunk = _padded(rows[start:start + rows_a_step], rows_a_step)
         weight = float(sum(row.weights.sum() for row in chunk))
         if weight:
-            inputs = [shard.from_host(array, placement) for array in _stack(chunk, model.generics["MaxSeq"])]
-            loss_sum += float(function(weights.parts, *inputs).addressable_data(0))
+            arrays = _stack(chunk, model.generics["MaxSeq"])
+            kernel = _attention_kernel(model, mesh, arrays[_FIELDS.index("segments")])
+            if kernel not in functions:
+                functions[kernel] = _evaluate_function(model, weights.layouts, mesh, kernel)
+            inputs = [shard.from_host(array, placement) for array in arrays]
+            loss_sum += float(functions[kernel](weights.parts, *inputs).addressable_data(0))
             weight_sum += weight
     return loss_sum / weight_sum
 
@@ -342,9 +346,9 @@ def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool, kerne
     return model.execute(model.emit(sharded=True, primitives=primitives), namespace)["loss_packed"]
 
 
-def _evaluate_function(model: JaxModel, layouts, mesh: Mesh):
+def _evaluate_function(model: JaxModel, layouts, mesh: Mesh, kernel: int | None):
     """(parts, *inputs split over the mesh) -> the sum over the devices of each one's loss times its loss weight."""
-    loss_packed = _sharded_loss_packed(model, layouts, shard.shard_axis(mesh), remat=False)
+    loss_packed = _sharded_loss_packed(model, layouts, shard.shard_axis(mesh), remat=False, kernel=kernel)
 
     def device_loss(parts, tokens, targets, positions, segments, weights):
         local = jnp.sum(weights)
