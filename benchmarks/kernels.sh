@@ -47,7 +47,7 @@ case "${1:-}" in
       for when in ${WHEN:-in-backward after}; do
         case $when in in-backward) flag=() ;; after) flag=(--step-after) ;; recast) flag=(--recast) ;;
                       recast-after) flag=(--recast --step-after) ;; esac
-        run "linnet-$shape-step-$when" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --steps 12 "${extra[@]}" "${flag[@]}"
+        run "linnet-$shape-step-$when" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --steps 12 --compile-times "${extra[@]}" "${flag[@]}"
       done
     done ;;
   *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]"; exit 2 ;;
