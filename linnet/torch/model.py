@@ -87,7 +87,7 @@ class TorchModel(LoadedModel):
             # constants; a change compiles again (dynamic floats fail inside the backward's step).
             self._stepping_entries[entry] = self._compile(_with_steps_first(self.functions[entry]), dynamic=False)
         params = self.params
-        return self._stepping_entries[entry](params, stepping.states(params), *inputs)
+        return self._stepping_entries[entry](stepping.parts(params), stepping.states(params), *inputs)
 
     def _read_device(self) -> str:
         return str(self.device)

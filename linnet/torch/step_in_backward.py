@@ -67,6 +67,7 @@ class PartState(NamedTuple):
     step: torch.Tensor  # 0-d f32 on the parameter's device, as fused Adam keeps it
     lr: torch.Tensor  # 0-d f64 on the host: the group's learning rate at this step, read as a float is
     settings: AdamSettings
+    anchor: torch.Tensor  # a 0-d leaf that requires grad: the part enters detached (InBackward.parts)
 
 
 def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
@@ -92,10 +93,11 @@ def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
 
 
 class _StepInBackward(torch.autograd.Function):
-    """The parameter, passed through; its gradient, once whole, steps it and goes no further."""
+    """The parameter (detached), passed through as a tensor that requires grad (through `anchor`); its
+    gradient, once whole, steps it and goes no further."""
 
     @staticmethod
-    def forward(ctx, param, exp_avg, exp_avg_sq, step, lr, settings):
+    def forward(ctx, param, anchor, exp_avg, exp_avg_sq, step, lr, settings):
         ctx.save_for_backward(param, exp_avg, exp_avg_sq, step, lr)
         ctx.settings = settings
         return param.view_as(param)
@@ -104,7 +106,7 @@ class _StepInBackward(torch.autograd.Function):
     def backward(ctx, gradient):
         param, exp_avg, exp_avg_sq, step, lr = ctx.saved_tensors
         ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr, *ctx.settings)
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
 
 
 class Stepped(NamedTuple):
@@ -121,7 +123,8 @@ def taken(part):
     if not isinstance(part, Stepped):
         return part
     state = part.state
-    return _StepInBackward.apply(part.part, state.exp_avg, state.exp_avg_sq, state.step, state.lr, state.settings)
+    return _StepInBackward.apply(part.part, state.anchor, state.exp_avg, state.exp_avg_sq, state.step, state.lr,
+                                 state.settings)
 
 
 def with_steps(params, states):
@@ -148,6 +151,7 @@ class InBackward:
         self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]
                          if p.requires_grad and id(p) not in late}
         self.lrs = [torch.zeros((), dtype=torch.float64) for _ in optimizer.param_groups]
+        self.anchor = torch.zeros((), device=self.device, requires_grad=True)  # never given a gradient
         seen: set[int] = set()
         for tensor in _leaves(model.params):
             if id(tensor) in seen:
@@ -155,6 +159,16 @@ class InBackward:
             seen.add(id(tensor))
             if id(tensor) in self.group_of and tensor.device != self.device:
                 raise ValueError(f"a trained tensor is on {tensor.device}, the model on {self.device}")
+
+    def parts(self, params):
+        """`params` as the entry receives them: each part stepped here detached, so that the graph's input
+        that the backward changes requires no grad (AOT autograd of torch 2.11 refuses a backward's
+        mutation of one that does; 2.13 allows it); its step's node takes `anchor` for that."""
+        if isinstance(params, torch.Tensor):
+            return params.detach() if id(params) in self.group_of else params
+        if isinstance(params, dict):
+            return {key: self.parts(value) for key, value in params.items()}
+        return [self.parts(value) for value in params]
 
     def states(self, params):
         """The tree of PartStates for `params` at this step: the learning rates as the groups hold them now,
@@ -176,7 +190,8 @@ class InBackward:
             if group is None:
                 return None
             state = self._state(params)
-            return PartState(state["exp_avg"], state["exp_avg_sq"], state["step"], self.lrs[group], settings[group])
+            return PartState(state["exp_avg"], state["exp_avg_sq"], state["step"], self.lrs[group], settings[group],
+                             self.anchor)
         if isinstance(params, dict):
             return {key: self._tree(value, settings) for key, value in params.items()}
         return [self._tree(value, settings) for value in params]
