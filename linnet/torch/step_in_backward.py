@@ -6,7 +6,10 @@ the 120 that weights, gradients and moments take). Here the entry receives
 each part the optimizer trains as `Stepped`, and the sharded code's bindings
 `take` it where they first use it (linnet/torch/shard.py): through an
 identity whose backward runs once the part's whole gradient exists (after its
-reduction, and after every use of a tied weight). There it takes Adam's step
+reduction, and after every use of a tied weight). The part enters detached,
+the identity's node made through a leaf that requires grad (`anchor`):
+compiled, the backward changes that input in place, which AOT autograd of
+torch 2.11 refuses for an input that requires grad (2.13 allows it). There it takes Adam's step
 (`linnet::adam_step_`: ATen's fused kernel, as `fused=True` steps) and the
 gradient is dropped. The identity is made where the part is first used, not
 where the entry starts: autograd runs the nodes made last first, so a node
