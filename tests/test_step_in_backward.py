@@ -130,7 +130,9 @@ def test_adam_with_l2_steps_in_the_backward_as_after(card):
 
 def one_backward(rank: int, world: int, card, compile: str | None):
     """Inside stepping_in_backward, a backward leaves no gradient and moves every part; outside, the same
-    backward leaves every gradient and moves none."""
+    backward leaves every gradient and moves none. Also whether each part entered detached."""
+    from torch.utils._pytree import tree_leaves
+
     from linnet.torch import fully_shard
 
     model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
@@ -140,19 +142,23 @@ def one_backward(rank: int, world: int, card, compile: str | None):
     row = rows(world)[rank]
     inputs = [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
     before = [p.detach().clone() for p in model.parameters()]
-    with stepping_in_backward(model, optimizer):
+    with stepping_in_backward(model, optimizer) as stepping:
+        # Each part enters the entry detached: the graph's inputs that its backward changes require no
+        # grad (torch 2.11's AOT autograd refuses one that does), and are the parts' own storage.
+        entered = zip(tree_leaves(stepping.parts(model.params)), tree_leaves(model.params))
+        detached = [not e.requires_grad and e.data_ptr() == p.data_ptr() for e, p in entered]
         model.loss_packed(*inputs).backward()
     stepped = [p.grad is None and not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)]
     before = [p.detach().clone() for p in model.parameters()]
     model.loss_packed(*inputs).backward()
     kept = [p.grad is not None and torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)]
-    return stepped, kept, [float(s["step"]) for s in optimizer.state.values()]
+    return stepped, kept, [float(s["step"]) for s in optimizer.state.values()], detached
 
 
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_a_backward_inside_steps_every_part_and_keeps_no_gradient(card, compile):
-    for stepped, kept, steps in run(one_backward, 2, card, compile, timeout=300):
-        assert all(stepped) and all(kept)
+    for stepped, kept, steps, detached in run(one_backward, 2, card, compile, timeout=300):
+        assert all(stepped) and all(kept) and all(detached)
         assert steps == [1.0] * len(stepped)
 
 
