@@ -46,7 +46,8 @@ case "${1:-}" in
                      8b-matmuls) card=llama-3.1-8b; extra=(--recompute matmuls) ;; esac
       for when in ${WHEN:-in-backward after}; do
         case $when in in-backward) flag=() ;; after) flag=(--step-after) ;; recast) flag=(--recast) ;;
-                      recast-after) flag=(--recast --step-after) ;; esac
+                      recast-after) flag=(--recast --step-after) ;;
+                      *) echo "WHEN: in-backward, after, recast or recast-after, got $when"; exit 2 ;; esac
         run "linnet-$shape-step-$when" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --steps 12 --compile-times "${extra[@]}" "${flag[@]}"
       done
     done ;;

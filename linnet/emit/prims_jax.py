@@ -127,14 +127,15 @@ def attention_fast(q, k, v, mask, kernel=None):
         out = causal(q, k, v)
     elif not fused:
         out = dense(q, k, v)
-    elif kernel is not None:
-        out = ([causal, packed(8), packed(16), dense][kernel] if packs else [causal, dense][min(kernel, 1)])(q, k, v)
     else:
         branches, bounds = ([causal, packed(8), packed(16), dense], [1, 8, 16]) if packs else ([causal, dense], [1])
-        which = jnp.searchsorted(jnp.array(bounds, jnp.int32), jnp.max(mask) + 1)  # by the most documents a row
-        # Offsets and lengths hold for segments that never fall along a row (linnet.packing's): others, dense.
-        ordered = jnp.all(mask[:, 1:] >= mask[:, :-1]) & (jnp.min(mask) >= 0)
-        out = jax.lax.switch(jnp.where(ordered, which, len(branches) - 1), branches, q, k, v)
+        if kernel is not None:  # without the packed layout, every kernel but the causal one is the dense mask
+            out = branches[min(kernel, len(branches) - 1)](q, k, v)
+        else:
+            which = jnp.searchsorted(jnp.array(bounds, jnp.int32), jnp.max(mask) + 1)  # by the most documents a row
+            # Offsets and lengths hold for segments that never fall along a row (linnet.packing's): others, dense.
+            ordered = jnp.all(mask[:, 1:] >= mask[:, :-1]) & (jnp.min(mask) >= 0)
+            out = jax.lax.switch(jnp.where(ordered, which, len(branches) - 1), branches, q, k, v)
     return out.transpose(0, 2, 1, 3)  # (B, H, S, Dh)
 
 

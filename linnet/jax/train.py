@@ -148,7 +148,7 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             for index, row in enumerate(chunk):
                 row.check_ids(model.checked.dims["Vocab"], f"step {step}, row {index}")
             arrays = _stack(chunk, model.generics["MaxSeq"])
-            kernel = _attention_kernel(model, mesh, arrays[_FIELDS.index("segments")])
+            kernel = _agreed_kernel(_attention_kernel(model, mesh, arrays[_FIELDS.index("segments")]))
             if kernel not in step_functions:
                 step_functions[kernel] = _step_function(model, layouts, mesh, optimizer, remat, parts, state_placements, kernel)
             inputs = [jax.make_array_from_process_local_data(placement, array) for array in arrays]
@@ -214,7 +214,7 @@ def _evaluate_sharded(model: JaxModel, rows: list[Row], weights: shard.ShardedWe
     mesh = weights.mesh
     rows_a_step = mesh.size * model.generics["Batch"]
     placement = NamedSharding(mesh, _rows_spec(mesh))
-    functions = {}  # by the attention kernel the rows take, as in train
+    functions = {}  # by the attention kernel the rows take, as in train (every process sees the same rows)
     loss_sum = weight_sum = 0.0
     for start in range(0, len(rows), rows_a_step):  # every process holds every row, and places its own
         chunk = _padded(rows[start:start + rows_a_step], rows_a_step)
@@ -315,19 +315,23 @@ def _check_positions(row: Row, positions: int) -> None:
 
 
 def _attention_kernel(model: JaxModel, mesh: Mesh, segments: np.ndarray) -> int | None:
-    """The fast attention's kernel for a step's rows (prims_jax.rows_kernel), chosen on the host, where it
+    """The fast attention's kernel for these rows (prims_jax.rows_kernel), chosen on the host, where it
     is a choice (fast numerics on a GPU): the step then holds no lax.switch, whose branch index XLA reads
-    back on the host, or runs as a conditional inside its command buffers (benchmarks/NOTES.md). Over
-    several processes the one that suits every process's rows (the higher number: the dense mask suits
-    any rows, the packed layout for 16 any of up to 16 documents)."""
+    back on the host, or runs as a conditional inside its command buffers (benchmarks/NOTES.md)."""
     if model.numerics != "fast" or mesh.devices.flat[0].platform != "gpu":
         return None
-    kernel = prims_jax.rows_kernel(segments)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    return prims_jax.rows_kernel(segments)
 
-        kernel = int(np.max(multihost_utils.process_allgather(np.int32(kernel))))
-    return kernel
+
+def _agreed_kernel(kernel: int | None) -> int | None:
+    """Over several processes, each with its own rows, the kernel that suits every process's (the higher
+    number: the dense mask suits any rows, the packed layout for 16 any of up to 16 documents), so that
+    every process runs the same step."""
+    if kernel is None or jax.process_count() == 1:
+        return kernel
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(kernel))))
 
 
 def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool, kernel: int | None = None):
