@@ -10,8 +10,7 @@
 #   bash benchmarks/kernels.sh memory [1b 3b 8b 8b-matmuls]  the optimizer's step in the backward against after it
 #                                          (step.py --step-after): step, peak memory and first step, each shape
 #                                          (8b: recompute "gather"; an 8B pair takes about 7 minutes); WHEN
-#                                          picks the runs (default "in-backward after"; also recast, recast-after:
-#                                          step.py --recast, the casts made again in the backward)
+#                                          picks the runs (default "in-backward after")
 # Logs under $OUT; each run's RESULT line is printed.
 source "$(dirname "$0")/stage.sh"
 case "${1:-}" in
@@ -45,9 +44,8 @@ case "${1:-}" in
                      8b) card=llama-3.1-8b; extra=(--recompute gather) ;;
                      8b-matmuls) card=llama-3.1-8b; extra=(--recompute matmuls) ;; esac
       for when in ${WHEN:-in-backward after}; do
-        case $when in in-backward) flag=() ;; after) flag=(--step-after) ;; recast) flag=(--recast) ;;
-                      recast-after) flag=(--recast --step-after) ;;
-                      *) echo "WHEN: in-backward, after, recast or recast-after, got $when"; exit 2 ;; esac
+        case $when in in-backward) flag=() ;; after) flag=(--step-after) ;;
+                      *) echo "WHEN: in-backward or after, got $when"; exit 2 ;; esac
         run "linnet-$shape-step-$when" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --steps 12 --compile-times "${extra[@]}" "${flag[@]}"
       done
     done ;;

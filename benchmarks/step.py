@@ -30,8 +30,6 @@ parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
 parser.add_argument("--step-after", action="store_true", help="the optimizer steps after the backward, holding every "
                     "gradient at once (train(step_in_backward=False)); by default each part steps in the backward")
-parser.add_argument("--recast", action="store_true", help="on one rank, cast the weights again in the backward "
-                    "rather than keep their bf16 casts from the forward (linnet.torch.shard.KEEP_ONE_RANK_CASTS off)")
 parser.add_argument("--mesh", metavar="MACHINESxGPUS", help="hybrid sharding over a (replicate, shard) mesh of that "
                     "shape, e.g. 2x4 (default: one flat group)")
 parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
@@ -49,10 +47,6 @@ parser.add_argument("--compile-times", action="store_true", help="after the run,
                     "dynamo's, AOT autograd's and inductor's phases, the longest first (rank 0)")
 args = parser.parse_args()
 
-if args.recast:
-    from linnet.torch import shard
-
-    shard.KEEP_ONE_RANK_CASTS = False
 dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -107,7 +101,7 @@ loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
 result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, recompute=args.recompute, prefetch=args.prefetch,
-              reduce_dtype=args.reduce_dtype, compiled=not args.no_compile, step_in_backward=not args.step_after, recast=args.recast,
+              reduce_dtype=args.reduce_dtype, compiled=not args.no_compile, step_in_backward=not args.step_after,
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -119,7 +113,7 @@ if rank == 0:
 if args.compile_times and rank == 0:
     from torch._dynamo.utils import compile_times
 
-    phases = [line.rsplit(", ", 1) for line in compile_times(repr="str", aggregate=True).splitlines()[2:] if ", " in line]
-    for name, seconds in sorted(phases, key=lambda phase: -float(phase[1]))[:25]:
-        print(f"  {float(seconds):8.2f} s  {name}", flush=True)
+    names, seconds = compile_times(repr="csv", aggregate=True)  # "str" is a table whose layout varies
+    for name, phase_seconds in sorted(zip(names, map(float, seconds)), key=lambda phase: -phase[1])[:25]:
+        print(f"  {phase_seconds:8.2f} s  {name}", flush=True)
 dist.destroy_process_group()

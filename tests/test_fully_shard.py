@@ -193,8 +193,8 @@ def products_policy_decisions(rank: int, world: int, card, recompute: str) -> tu
     decisions, backward_ops = {}, set()
     policy = shard._products_policy
 
-    def recording(world, ctx, func, *args, **kwargs):
-        decision = policy(world, ctx, func, *args, **kwargs)
+    def recording(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
         decisions.setdefault(str(func), set()).add(decision.name)
         return decision
 
@@ -220,7 +220,7 @@ def test_the_matmuls_policy_keeps_products_and_recomputes_the_rest(card, world):
     for pointwise in ("aten.mul.Tensor", "aten.rsqrt.default", "aten.silu.default", "aten._softmax.default"):
         assert forward[pointwise] == {"PREFER_RECOMPUTE"}, pointwise
     gather = "linnet.all_gather.default"
-    assert forward[gather] == ({"MUST_SAVE"} if world == 1 else {"PREFER_RECOMPUTE"})  # one rank's gather is a cast
+    assert forward[gather] == {"PREFER_RECOMPUTE"}  # on one rank too, where a gather is a cast
     assert {"aten.silu.default", "aten.rsqrt.default"} <= backward_ops  # the backward ran the pointwise work again
     _, kept_all = run(products_policy_decisions, world, card, "gather", timeout=300)[0]
     assert not {"aten.silu.default", "aten.rsqrt.default"} & kept_all  # which "gather" keeps

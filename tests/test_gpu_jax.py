@@ -66,6 +66,7 @@ def test_fused_attention_equals_exact_on_packed_rows(documents, branch, monkeypa
     chosen, switch = [], jax.lax.switch
     monkeypatch.setattr(jax.lax, "switch", lambda index, branches, *a: chosen.append(int(index)) or switch(index, branches, *a))
     prims_jax.attention_fast(*(x.astype(jnp.bfloat16) for x in (q, k, v)), fast_mask)
+    monkeypatch.undo()  # under jit below, the index is traced: the real switch must take it
     assert chosen == ([] if branch is None else [branch])
     if branch is not None:  # the host's choice (linnet.jax.train) is the switch's, and runs its kernel alone
         kernel = prims_jax.rows_kernel(np.asarray(segments))

@@ -70,18 +70,15 @@ def parse(source: str, gathered_size: int, part_size: int) -> Code:
     return Code(lines, launches, reduce_scatters)
 
 
-def generated_code(rank: int, world: int, card, prefetch: int = 1, fake_world: int = WORLD, mesh: tuple | None = None,
-                   keep_casts: bool = True):
+def generated_code(rank: int, world: int, card, prefetch: int = 1, fake_world: int = WORLD, mesh: tuple | None = None):
     """Inductor's forward and backward of one sharded step at a fake world of 4 (or of `fake_world`; or
-    over a fake ("replicate", "shard") mesh of that shape). keep_casts: shard.KEEP_ONE_RANK_CASTS."""
+    over a fake ("replicate", "shard") mesh of that shape)."""
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from linnet import nest
-    from linnet.torch import fully_shard, shard
-
-    shard.KEEP_ONE_RANK_CASTS = keep_casts
+    from linnet.torch import fully_shard
 
     dist.destroy_process_group()  # the Gloo group of one rank that `run` made: a fake world instead
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
@@ -178,31 +175,23 @@ def test_a_tied_embedding_is_gathered_once_and_reduce_scattered_once(tmp_path):
     assert backward.count("torch.ops.linnet.reduce_scatter.default(") == groups
 
 
-def test_on_one_rank_a_gather_is_a_cast_made_once(card):
-    """The backward gets the casts the forward made, not the f32 parts to cast again; the gradient's
-    "reduce-scatter" is its one cast into the part's f32 gradient."""
+def test_on_one_rank_a_gather_is_a_cast_made_again_in_the_backward(card):
+    """On one rank a gather is a cast. A layer's backward gets its f32 part and casts it again, as several
+    ranks gather again, rather than keep the forward's bf16 cast; the gradient's "reduce-scatter" is its
+    one cast into the part's f32 gradient."""
     forward, backward, total, *_ = run(generated_code, 1, card, 1, 1, timeout=600)[0]
     parts = {m.group(1) for m in re.finditer(rf"assert_size_stride\((primals_\d+), \({total}, \), \(1, \)", forward)}
     inputs = set(re.search(r"^\s*(\w+(?:, \w+)*),? = args$", backward, re.MULTILINE).group(1).split(", "))
-    assert len(parts) == LAYERS and not parts & inputs
-    assert "linnet.all_gather" not in backward
-    # On one rank a layer is compiled once (linnet/torch/model.py): its cast of the gradient is written
-    # once, in the subgraph a layer's backward calls; the head's and the embedding's beside it.
-    assert backward.count("torch.ops.linnet.reduce_scatter.default(") == 1 + 2
+    assert len(parts) == LAYERS
+    # On one rank a layer is compiled once (linnet/torch/model.py): its backward is a subgraph, called once
+    # a layer, whose inputs are the part (its primals_0), not the cast the forward's gather waited for.
+    layer = "partitioned_bw_subgraph_0_0_"
+    assert layer + "primals_0" in inputs and layer + "wait_tensor" not in inputs
     assert len(re.findall(r"= partitioned_bw_subgraph_0_0\(", backward)) == LAYERS
-
-
-def test_on_one_rank_without_the_casts_kept_the_backward_casts_again(card):
-    """shard.KEEP_ONE_RANK_CASTS off (benchmarks/step.py --recast): a layer's backward gets its f32 part and
-    casts it again, as several ranks gather again, rather than the forward's bf16 cast."""
-    for keep_casts in (True, False):
-        backward = run(generated_code, 1, card, 1, 1, None, keep_casts, timeout=600)[0][1]
-        inputs = set(re.search(r"^\s*(\w+(?:, \w+)*),? = args$", backward, re.MULTILINE).group(1).split(", "))
-        # A layer is compiled once: its backward is a subgraph, whose inputs are the part (its primals_0)
-        # or the cast that the forward's gather waited for.
-        layer = "partitioned_bw_subgraph_0_0_"
-        assert (layer + "primals_0" in inputs, layer + "wait_tensor" in inputs) == (not keep_casts, keep_casts)
-        assert backward.count("torch.ops.linnet.all_gather.default(") == (0 if keep_casts else 1)
+    # The cast again and the gradient's cast, each written once in the layer's subgraph; the head's and
+    # the embedding's gradients' casts beside it.
+    assert backward.count("torch.ops.linnet.all_gather.default(") == 1
+    assert backward.count("torch.ops.linnet.reduce_scatter.default(") == 1 + 2
 
 
 def test_with_replicas_each_all_reduce_runs_under_the_layers_below(card):

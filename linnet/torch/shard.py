@@ -270,7 +270,7 @@ def _bindings(sharding: Sharding) -> dict:
         "hold": partial(_hold, sharding),
         "take": taken,
         "after": _after,
-        "checkpointed": partial(_checkpointed, sharding.recompute, sharding.world),
+        "checkpointed": partial(_checkpointed, sharding.recompute),
         "lookup": partial(_lookup, sharding),
         "across_replicas": partial(_wait_across_replicas, sharding),
     }
@@ -506,25 +506,11 @@ def gathered_weights(model: TorchModel, dtype: torch.dtype):
 
 
 def _gather_policy(ctx, func, *args, **kwargs):
-    """Recompute the gather and the views of what it returns; keep everything else."""
+    """Recompute the gather and the views of what it returns; keep everything else. On one rank a gather
+    is a cast: made again in the backward rather than kept, its bf16 bytes (8B: about 13 GiB) cost more
+    than a cast a layer (measured in benchmarks/NOTES.md, seventeenth session)."""
     if func in ops.collective_overloads() or getattr(func, "is_view", False):  # higher-order ops have no is_view
         return CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.PREFER_SAVE
-
-
-# On one rank a gather is a cast. Keeping the casts costs their bf16 bytes (8B: about 13 GiB) and saves a
-# cast a layer in the backward; which pays is being measured (benchmarks/step.py --recast flips this).
-KEEP_ONE_RANK_CASTS = True
-
-
-def _one_rank_policy(ctx, func, *args, **kwargs):
-    """On one rank a gather is a cast (and its reduce-scatter the cast of the gradient into the part's):
-    keep it rather than cast again in the backward (unless KEEP_ONE_RANK_CASTS is off); recompute views;
-    keep everything else."""
-    if getattr(func, "is_view", False):
-        return CheckpointPolicy.MUST_RECOMPUTE
-    if func in ops.collective_overloads():
-        return CheckpointPolicy.MUST_SAVE if KEEP_ONE_RANK_CASTS else CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_SAVE
 
 
@@ -537,10 +523,9 @@ _PRODUCTS = frozenset({
 })
 
 
-def _products_policy(world: int, ctx, func, *args, **kwargs):
-    """Keep the products and attention; recompute the rest, the gathers among it (on one rank a gather
-    is a cast, kept as the one-rank policy keeps it)."""
-    if func in _PRODUCTS or (func in ops.collective_overloads() and world == 1 and KEEP_ONE_RANK_CASTS):
+def _products_policy(ctx, func, *args, **kwargs):
+    """Keep the products and attention; recompute the rest, the gathers among it."""
+    if func in _PRODUCTS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -549,11 +534,8 @@ def _recompute_all(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _checkpointed(recompute: str, world: int, function, *args):
+def _checkpointed(recompute: str, function, *args):
     if recompute == "full":
         return checkpoint(function, *args, use_reentrant=False)
-    if recompute == "matmuls":
-        policy = partial(_products_policy, world)
-    else:
-        policy = _gather_policy if world > 1 else _one_rank_policy
+    policy = _products_policy if recompute == "matmuls" else _gather_policy
     return checkpoint(function, *args, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
