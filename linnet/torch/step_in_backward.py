@@ -68,7 +68,7 @@ class PartState(NamedTuple):
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor  # 0-d f32 on the parameter's device, as fused Adam keeps it
-    lr: torch.Tensor  # 0-d f64 on the host: the group's learning rate at this step, read as a float is
+    lr: torch.Tensor  # (1,) f64 on the host: the group's learning rate at this step, read as a float is
     settings: AdamSettings
     anchor: torch.Tensor  # a 0-d leaf that requires grad: the part enters detached (InBackward.parts)
 
@@ -108,7 +108,7 @@ class _StepInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gradient):
         param, exp_avg, exp_avg_sq, step, lr = ctx.saved_tensors
-        ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr, *ctx.settings)
+        ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr.view(()), *ctx.settings)
         return None, None, None, None, None, None, None
 
 
@@ -153,7 +153,9 @@ class InBackward:
         late = {id(p) for p in _late_parts(model)}  # they keep their gradient
         self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]
                          if p.requires_grad and id(p) not in late}
-        self.lrs = [torch.zeros((), dtype=torch.float64) for _ in optimizer.param_groups]
+        # One element, not 0-d: torch.compile reads a 0-d f64 host tensor as a float, then throws away its
+        # first compile of the step and starts again ("Restarting analysis", the 8B's first step 40 s longer).
+        self.lrs = [torch.zeros(1, dtype=torch.float64) for _ in optimizer.param_groups]
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)  # never given a gradient
         seen: set[int] = set()
         for tensor in _leaves(model.params):
