@@ -564,15 +564,19 @@ def test_a_compiled_sharded_step_prints_no_context_fn_warning():
     assert "context_fn is passed to torch.utils.checkpoint" in stderr("unfiltered")
 
 
+DEEP_LAYERS = 5
+
+
 @pytest.fixture(scope="module")
 def deep_card(tmp_path_factory):
     """The tiny card with 5 layers: prefetch 1 keeps the last 2 layers' gathers for the backward, so 3
     are gathered again in the backward (with 2 layers none is)."""
-    return write_tied_card(tmp_path_factory.mktemp("deep"), layers=5)
+    return write_tied_card(tmp_path_factory.mktemp("deep"), layers=DEEP_LAYERS)
 
 
 def region_training(rank: int, world: int, card, recompute: str):
     from torch._C._distributed_c10d import _get_work_registry_size
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
@@ -586,10 +590,16 @@ def region_training(rank: int, world: int, card, recompute: str):
     expected, other = (around_checkpoint, inside_checkpoint) if world == 1 else (inside_checkpoint, around_checkpoint)
     assert model.layer_region and expected in model.source and other not in model.source
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
-    un_waited = []
+    un_waited, traced = [], []
+    hop = type(invoke_subgraph)  # each trace of the region that finds its schema (linnet/torch/schemas_once.py)
+    own = hop.gen_schema
+    hop.gen_schema = lambda self, *args: traced.append(args[1]) or own(self, *args)
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS,
                     on_step=lambda s: un_waited.append(_get_work_registry_size()))
+    hop.gen_schema = own
     assert un_waited == [0] * STEPS, f"collectives launched and never waited for, after each step: {un_waited}"
+    # Once for each of AOT autograd's two passes (and the kinds of operand it meets), not once a layer.
+    assert 0 < len(traced) < DEEP_LAYERS, traced
     return [s.loss for s in history.steps], {name: t.numpy() for name, t in gathered_weights(model, torch.float32)}
 
 

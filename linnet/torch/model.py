@@ -12,6 +12,7 @@ import torch
 
 from linnet.emit.torch_backend import TORCH
 from linnet.model import LoadedModel
+from linnet.torch.schemas_once import schemas_once
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -71,7 +72,13 @@ class TorchModel(LoadedModel):
             # activations after their buffers are reused (wrong gradients; benchmarks/NOTES.md).
             communicates = self.sharding is not None and self.sharding.world > 1
             options = {"reorder_for_peak_memory": False} if communicates or self.layer_region else {}
-            return torch.compile(function, fullgraph=True, backend="inductor", options=options, dynamic=dynamic)
+            compiled = torch.compile(function, fullgraph=True, backend="inductor", options=options, dynamic=dynamic)
+
+            def call(*args):  # a compile it starts traces a layer compiled once once, not once a layer
+                with schemas_once():
+                    return compiled(*args)
+
+            return call
         return function
 
     def _install(self, source: str, namespace: dict) -> None:
