@@ -594,12 +594,15 @@ def region_training(rank: int, world: int, card, recompute: str):
     hop = type(invoke_subgraph)  # each trace of the region that finds its schema (linnet/torch/schemas_once.py)
     own = hop.gen_schema
     hop.gen_schema = lambda self, *args: traced.append(args[1]) or own(self, *args)
-    history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS,
-                    on_step=lambda s: un_waited.append(_get_work_registry_size()))
-    hop.gen_schema = own
+    try:
+        history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS,
+                        on_step=lambda s: un_waited.append(_get_work_registry_size()))
+    finally:
+        hop.gen_schema = own
     assert un_waited == [0] * STEPS, f"collectives launched and never waited for, after each step: {un_waited}"
-    # Once for each of AOT autograd's two passes (and the kinds of operand it meets), not once a layer.
-    assert 0 < len(traced) < DEEP_LAYERS, traced
+    # Each subgraph (the layer's, and the forward and backward made of it) traced once, not once a layer
+    # in each of AOT autograd's passes.
+    assert traced and len(traced) == len(set(traced)), traced
     return [s.loss for s in history.steps], {name: t.numpy() for name, t in gathered_weights(model, torch.float32)}
 
 

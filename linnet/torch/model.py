@@ -74,8 +74,10 @@ class TorchModel(LoadedModel):
             options = {"reorder_for_peak_memory": False} if communicates or self.layer_region else {}
             compiled = torch.compile(function, fullgraph=True, backend="inductor", options=options, dynamic=dynamic)
 
-            def call(*args):  # a compile it starts traces a layer compiled once once, not once a layer
-                with schemas_once():
+            def call(*args):
+                if torch.compiler.is_compiling():  # inside a user's own compile: that compile's business
+                    return compiled(*args)
+                with schemas_once():  # a compile this call starts traces a layer compiled once only once
                     return compiled(*args)
 
             return call

@@ -68,7 +68,7 @@ class PartState(NamedTuple):
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor  # 0-d f32 on the parameter's device, as fused Adam keeps it
-    lr: torch.Tensor  # (1,) f64 on the host: the group's learning rate at this step, read as a float is
+    lr: torch.Tensor  # (1,) f64 on the host: the group's rate at this step, read as a double as a float rate is
     settings: AdamSettings
     anchor: torch.Tensor  # a 0-d leaf that requires grad: the part enters detached (InBackward.parts)
 
