@@ -73,6 +73,8 @@ class TorchModel(LoadedModel):
             communicates = self.sharding is not None and self.sharding.world > 1
             options = {"reorder_for_peak_memory": False} if communicates or self.layer_region else {}
             compiled = torch.compile(function, fullgraph=True, backend="inductor", options=options, dynamic=dynamic)
+            if not self.layer_region:  # no nested compile region in the source: no schema to find again
+                return compiled
 
             def call(*args):
                 if torch.compiler.is_compiling():  # inside a user's own compile: that compile's business

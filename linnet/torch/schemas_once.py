@@ -12,6 +12,7 @@ other threads, the op finds its schema as it always does."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 
@@ -48,6 +49,7 @@ def _remembering(op):
     return gen_schema
 
 
+@functools.cache  # asked at every call of a compiled entry: the import and the lock once a process
 def _installed() -> bool:
     """Puts the remembering gen_schema on the op, once a process; False on a torch without one."""
     try:
