@@ -8,24 +8,25 @@
 
 namespace linnet {
 
-void adam_step_(
-    at::Tensor& param,
-    at::Tensor& exp_avg,
-    at::Tensor& exp_avg_sq,
-    at::Tensor& step,
+void check_adam_step(
+    const at::Tensor& param,
+    const at::Tensor& exp_avg,
+    const at::Tensor& exp_avg_sq,
+    const at::Tensor& step,
     const at::Tensor& gradient,
-    const at::Tensor& lr,
-    double beta1,
-    double beta2,
-    double weight_decay,
-    double eps,
-    bool decoupled) {
+    const at::Tensor& lr) {
   TORCH_CHECK(
       gradient.sizes() == param.sizes(),
       "adam_step_: the gradient's shape ",
       gradient.sizes(),
       " is not the parameter's ",
       param.sizes());
+  TORCH_CHECK(
+      at::isFloatingType(param.scalar_type()) && at::isFloatingType(gradient.scalar_type()),
+      "adam_step_: the parameter and its gradient must be floating point, got ",
+      param.scalar_type(),
+      " and ",
+      gradient.scalar_type());
   for (const at::Tensor* moment : {&exp_avg, &exp_avg_sq}) {
     TORCH_CHECK(
         moment->sizes() == param.sizes() && moment->scalar_type() == param.scalar_type(),
@@ -52,10 +53,25 @@ void adam_step_(
       lr.dim() == 0 && (lr.is_cpu() || lr.device() == param.device()),
       "adam_step_: lr must be a 0-d tensor on the CPU or on the parameter's device");
   TORCH_CHECK(step.dim() == 0 && step.scalar_type() == at::kFloat, "adam_step_: step must be a 0-d float32 tensor");
+}
+
+void adam_step_(
+    at::Tensor& param,
+    at::Tensor& exp_avg,
+    at::Tensor& exp_avg_sq,
+    at::Tensor& step,
+    const at::Tensor& gradient,
+    const at::Tensor& lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool decoupled) {
+  check_adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr);
   // As torch.optim.Adam(W)(fused=True): the count first (every check above passed), then ATen's fused
-  // kernel, which reads it.
+  // kernel, which reads it. A narrower gradient is widened first: the kernel takes one dtype.
   step.add_(1);
-  const at::Tensor grad = gradient.contiguous();
+  const at::Tensor grad = gradient.to(param.scalar_type()).contiguous();
   if (decoupled) {
     at::_fused_adamw_(
         {param}, {grad}, {exp_avg}, {exp_avg_sq}, {}, {step}, lr, beta1, beta2, weight_decay, eps,

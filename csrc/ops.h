@@ -77,7 +77,10 @@ std::vector<at::Tensor> group_views(
 // Adam's step of one parameter from its gradient, in place (param, its two
 // moments, and its step count, a 0-d f32 tensor on the parameter's device):
 // AdamW's decoupled weight decay if `decoupled`, Adam's L2 otherwise, with
-// the numerics of torch.optim.Adam(W)(fused=True) (csrc/adam_step.cpp).
+// the numerics of torch.optim.Adam(W)(fused=True) (csrc/adam_step.cpp). The
+// gradient may be narrower than the parameter (a bf16 gradient of an f32
+// part): it is read as the parameter's dtype. This body takes ATen's fused
+// kernel on any device; CUDA has its own for f32 parts (csrc/cuda/adam_step.cu).
 void adam_step_(
     at::Tensor& param,
     at::Tensor& exp_avg,
@@ -90,6 +93,15 @@ void adam_step_(
     double weight_decay,
     double eps,
     bool decoupled);
+
+// The checks of adam_step_'s arguments, which every device's body makes first.
+void check_adam_step(
+    const at::Tensor& param,
+    const at::Tensor& exp_avg,
+    const at::Tensor& exp_avg_sq,
+    const at::Tensor& step,
+    const at::Tensor& gradient,
+    const at::Tensor& lr);
 
 // Checks that a backend's kernels accept: a floating dtype (what the copy
 // kernels are instantiated for).

@@ -62,12 +62,29 @@ def test_the_op_passes_opcheck():
     torch.library.opcheck(torch.ops.linnet.adam_step_.default, args)
 
 
+def test_a_narrower_gradient_steps_as_the_same_values_widened():
+    """A bf16 gradient of an f32 parameter (as the CUDA kernel reads it): here widened, then ATen's step."""
+    generator = torch.Generator().manual_seed(2)
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        param, exp_avg, exp_avg_sq, step = torch.ones(100), torch.zeros(100), torch.zeros(100), torch.zeros(())
+        gradient = torch.randn(100, generator=generator.manual_seed(2)).bfloat16().to(dtype)
+        ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, torch.tensor(1e-2, dtype=torch.float64),
+                      0.9, 0.999, 0.1, 1e-8)
+        results.append((param, exp_avg, exp_avg_sq))
+    for narrow, wide in zip(*results):
+        assert torch.equal(narrow, wide)
+
+
 def test_the_op_names_a_mismatched_gradient():
     param, lr = torch.zeros(8), torch.tensor(1e-3)
     with pytest.raises(RuntimeError, match=r"the gradient's shape \[4\] is not the parameter's \[8\]"):
         ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(()), torch.zeros(4), lr, 0.9, 0.999, 0.0, 1e-8)
     with pytest.raises(RuntimeError, match=r"a moment of shape \[4\] and dtype Float for a parameter of shape \[8\]"):
         ops.adam_step(param, torch.zeros(4), torch.zeros(8), torch.zeros(()), torch.zeros(8), lr, 0.9, 0.999, 0.0, 1e-8)
+    with pytest.raises(RuntimeError, match="the parameter and its gradient must be floating point, got Float and Long"):
+        ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(()), torch.zeros(8, dtype=torch.long), lr,
+                      0.9, 0.999, 0.0, 1e-8)
     with pytest.raises(RuntimeError, match="step must be a 0-d float32 tensor"):
         ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(1), torch.zeros(8), lr, 0.9, 0.999, 0.0, 1e-8)
 

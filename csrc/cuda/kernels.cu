@@ -9,14 +9,10 @@
 #include <type_traits>
 
 #include "../ops.h"
+#include "vector.cuh"
 
 namespace linnet {
 namespace {
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vector {
-  T values[N];
-};
 
 // The arithmetic type of a cast: double if either side is double, else float.
 template <typename Src, typename Dst>
