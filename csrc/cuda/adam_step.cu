@@ -53,7 +53,8 @@ struct Update {
       if constexpr (kDecoupled) {
         param -= lr * weight_decay * param;
       } else {
-        grad += param * weight_decay;
+        // Rounded twice, not fused: ATen's kernel rounds it so (an fma differed in the last bit).
+        grad = __fadd_rn(grad, __fmul_rn(param, weight_decay));
       }
     }
     exp_avg = fmaf(beta1, exp_avg, fmaf(-beta1, grad, grad));
