@@ -53,7 +53,13 @@ def test_the_cuda_step_is_fused_adams(numel, offset, kind, weight_decay):
     assert any("adam_kernel" in name for name in kernels), sorted(kernels)  # linnet's kernel, not ATen's
     reference = stepped_by_torch(param, gradients, kind, weight_decay)
     for got, expected in zip(mine, reference):
-        assert torch.equal(got, expected), float((got - expected).abs().max())
+        if kind is torch.optim.Adam and weight_decay:
+            # Adam's L2 term (the gradient plus weight_decay times the parameter) rounds differently in ATen's
+            # kernel, written either way here (fused, or rounded twice): 2.4e-7 at most on values of about 1
+            # after three steps (an H100). AdamW's decoupled decay, Linnet's default, is the same to the bit.
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, expected), float((got - expected).abs().max())
 
 
 def test_a_bf16_gradient_steps_as_the_same_values_in_f32():
