@@ -10,7 +10,8 @@ reduction, and after every use of a tied weight). The part enters detached,
 the identity's node made through a leaf that requires grad (`anchor`):
 compiled, the backward changes that input in place, which AOT autograd of
 torch 2.11 refuses for an input that requires grad (2.13 allows it). There it takes Adam's step
-(`linnet::adam_step_`: ATen's fused kernel, as `fused=True` steps) and the
+(`linnet::adam_step_`: on CUDA Linnet's kernel, csrc/cuda/adam_step.cu, with ATen's
+arithmetic; elsewhere ATen's fused kernel, as `fused=True` steps) and the
 gradient is dropped. The identity is made where the part is first used, not
 where the entry starts: autograd runs the nodes made last first, so a node
 made first would run once the whole backward was done. Compiled, the step is
@@ -31,7 +32,7 @@ gradient is still held until then.
 
 The update is the optimizer's, as `fused=True` computes it (bit for bit;
 within rounding, 3e-8 after three steps, of the for-each and for-loop
-forms): its moments and step counts in `optimizer.state` (what a checkpoint
+forms; on CUDA, Adam's L2 form within an ulp or so, tests/test_gpu_adam_step.py): its moments and step counts in `optimizer.state` (what a checkpoint
 saves), its learning rate read from its parameter groups at each forward (a
 schedule's changes, in a tensor that the compiled graph reads). `train`
 steps this way where `supported` finds nothing against it: Adam or AdamW
