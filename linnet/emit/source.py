@@ -25,6 +25,7 @@ from linnet.cardlang.check import Checked
 from linnet.cardlang.primitives import PRIMITIVES
 from linnet.cardlang.program import REGION_SUFFIX, FunctionDecl, GroupDecl
 from linnet.cardlang.types import GroupType, MaskType, TensorType, TupleType
+from linnet.emit.products import Versions, replaced, runs_in
 from linnet.emit.schedule import Schedule
 
 
@@ -182,6 +183,8 @@ class _Writer:
         self.then = self._read_after_loops() if communicates and schedule.prefetch > 0 else {}
         self.late = set(self.shared) if schedule is not None and schedule.reduces_late else set()
         self.late_written: list[tuple[str, int | None]] = []  # the parts marked late=True, as written
+        # Sharded PyTorch code makes the products of one input by side-by-side weights as one (products.py).
+        self.fuses_products = sharded and backend.name == "torch"
 
     def _wrote_late(self, key: str, index: int | None) -> None:
         if (key, index) not in self.late_written:
@@ -322,7 +325,8 @@ class _Writer:
             then = self.then.get(function.name)
             lines += self.schedule.replica_waits(layers=f"params[{self.program.groups[loop.iter.id].key!r}]",
                                                  indent="    ", then=then and (then.key, then.name))
-        lines += self.block(function.body, function, {}, fetched=set(), indent="    ")
+        runs = runs_in(function, self.checked) if self.fuses_products else []
+        lines += self.block(function.body, function, {}, fetched=set(), indent="    ", runs=runs)
         if function.name in self.checkpoint_regions:
             lines += ["", "", *self._region_around_checkpoint(function.name, params)]
         return lines
@@ -337,9 +341,10 @@ class _Writer:
                 f"def {name}{REGION_SUFFIX}({arguments}):  # traced and compiled once, called for every layer",
                 f"    return checkpointed({name}, {arguments})"]
 
-    def block(self, statements, function, loop_vars, fetched: set[str], indent: str) -> list[str]:
-        lines = []
-        for statement in statements:
+    def block(self, statements, function, loop_vars, fetched: set[str], indent: str, runs=()) -> list[str]:
+        """runs: the products made as one (products.py) among these statements, a function's own."""
+        lines, version = [], Versions()
+        for index, statement in enumerate(statements):
             for group, variable in self._groups_used(statement, function, loop_vars):
                 if variable not in fetched:
                     fetched.add(variable)
@@ -372,9 +377,12 @@ class _Writer:
                     lines.append(f"{indent}    {target} = take({target})  # stepping in the backward: the part's step")
                 lines += self.block(statement.body, function, inner, set(fetched), indent + "    ")
                 continue
-            translated = _Translate(self, function, loop_vars).visit(copy.deepcopy(statement))
+            lines += [indent + run.line() for run in runs if run.statement == index]
+            products = replaced(list(runs), index, version)
+            translated = _Translate(self, function, loop_vars, products).visit(copy.deepcopy(statement))
             comment = _type_comment(self.checked.assigned.get(id(statement)))
             lines.append(indent + ast.unparse(translated) + comment)
+            version.assigned_by(statement)
         return lines
 
     def _groups_used(self, statement: ast.stmt, function, loop_vars):
@@ -415,14 +423,19 @@ class _Writer:
 
 
 class _Translate(ast.NodeTransformer):
-    def __init__(self, writer: _Writer, function: FunctionDecl, loop_vars: dict[str, str]):
+    def __init__(self, writer: _Writer, function: FunctionDecl, loop_vars: dict[str, str],
+                 products: dict[tuple[str, str, str], str] | None = None):
         self.writer, self.function, self.loop_vars = writer, function, loop_vars
+        self.products = products or {}  # (input, group variable, weight) -> a product already made
 
     def visit_Attribute(self, node: ast.Attribute):
         _, weight, variable = self.writer._resolve(node, self.function, self.loop_vars)
         return self.writer.weight(variable, weight)
 
     def visit_Call(self, node: ast.Call):
+        made = self._made_product(node)
+        if made is not None:
+            return ast.Name(made)
         if node.func.id == "embedding" and isinstance(table := node.args[-1], ast.Attribute):
             group, weight, _ = self.writer._resolve(table, self.function, self.loop_vars)
             if group.name in self.writer.looked_up:  # the rows of this rank's tokens, from every rank's part
@@ -441,3 +454,12 @@ class _Translate(ast.NodeTransformer):
         if self.writer.sharded and _takes_group(callee):
             return ast.Call(ast.Name("checkpointed"), [node.func, *node.args], [])
         return node
+
+    def _made_product(self, node: ast.Call) -> str | None:
+        """The variable holding `linear(x, w.name)` where a run made it (products.py), else None."""
+        if node.func.id != "linear" or len(node.args) != 2:
+            return None
+        x, weight = node.args
+        if not (isinstance(x, ast.Name) and isinstance(weight, ast.Attribute) and isinstance(weight.value, ast.Name)):
+            return None
+        return self.products.get((x.id, weight.value.id, weight.attr))

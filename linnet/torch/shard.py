@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from linnet import agree, watchdog
+from linnet.emit.products import runs_by_group
 from linnet.emit.schedule import Schedule
 from linnet.emit.source import late_parts
 from linnet.torch import ops
@@ -97,6 +99,9 @@ class Sharding:
     replicate_group_name: str | None = None  # the ranks that hold the same parts (the mesh's "replicate" dimension)
     replicas: int = 1
     replica: int = 0  # this rank's, in that group: replica 0 writes the parts into checkpoints
+    # card group name -> the runs of its weights that the code multiplies one input by (linnet/emit/products.py):
+    # each viewed as one matrix of the gathered buffer where its weights lie side by side
+    products: dict = field(default_factory=dict)
 
 
 def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, mesh=None, recompute: str = "gather",
@@ -164,7 +169,8 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     model.params = parts
     model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
                               reduce_dtype if world * replicas > 1 else torch.float32, schedule,
-                              None if replicate is None else replicate.group_name, replicas, replica)
+                              None if replicate is None else replicate.group_name, replicas, replica,
+                              runs_by_group(checked, list(checked.program.functions.values())))
     model._install(model.emit(schedule=schedule), _bindings(model.sharding))
     late = [model.params[key] if index is None else model.params[key][index]
             for key, index in late_parts(checked, model.backend, schedule, model.entries)]
@@ -273,6 +279,7 @@ def _bindings(sharding: Sharding) -> dict:
         "checkpointed": partial(_checkpointed, sharding.recompute),
         "lookup": partial(_lookup, sharding),
         "across_replicas": partial(_wait_across_replicas, sharding),
+        "linears": _linears,
     }
 
 
@@ -291,9 +298,56 @@ def _all_gather(sharding: Sharding, part: torch.Tensor, late: bool = False) -> t
                           replicas=replicas)
 
 
-def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict[str, torch.Tensor]:
-    layout = sharding.layouts[group]
-    return dict(zip(layout.names, ops.group_views(full, list(layout.offsets), layout.shapes)))
+def _views(sharding: Sharding, full: torch.Tensor, group: str) -> dict:
+    """The group's weights as views of its gathered buffer, by name; and each run of them that the code
+    multiplies one input by (Sharding.products) whose weights lie side by side, as one matrix, by the run's
+    names (a tuple), its weights then views of that matrix's rows."""
+    pieces = _pieces(sharding.layouts[group], sharding.products.get(group, ()))
+    views = ops.group_views(full, [offset for _, offset, _ in pieces], [shape for _, _, shape in pieces])
+    weights = {}
+    for (names, _, _), view in zip(pieces, views):
+        if isinstance(names, str):
+            weights[names] = view
+            continue
+        weights[names], row = view, 0
+        for name, rows in zip(names, _rows(sharding.layouts[group], names)):
+            weights[name], row = view.narrow(0, row, rows), row + rows
+    return weights
+
+
+def _pieces(layout: GroupLayout, runs: tuple) -> list[tuple]:
+    """(a weight's name or a run's names, offset, shape) for each view of a group's buffer: a run as one
+    matrix where its weights follow one another with no gap and stack (the same trailing dimensions)."""
+    where = {name: (offset, shape) for name, offset, shape in zip(layout.names, layout.offsets, layout.shapes)}
+    joined = {}
+    for names in runs:
+        shapes = [where[name][1] for name in names]
+        ends = [where[name][0] + math.prod(where[name][1]) for name in names]
+        if (all(len(shape) == 2 and shape[1:] == shapes[0][1:] for shape in shapes)
+                and all(end == where[name][0] for end, name in zip(ends, names[1:]))):
+            joined[names[0]] = names
+    pieces, inside = [], set()
+    for name in layout.names:
+        if name in joined:
+            names = joined[name]
+            inside.update(names)
+            pieces.append((names, where[name][0], (sum(_rows(layout, names)), where[name][1][1])))
+        elif name not in inside:
+            pieces.append((name, *where[name]))
+    return pieces
+
+
+def _rows(layout: GroupLayout, names: tuple) -> list[int]:
+    return [layout.shapes[layout.names.index(name)][0] for name in names]
+
+
+def _linears(x: torch.Tensor, weights: dict, names: tuple) -> tuple:
+    """x times each of the weights `names` (nn.Linear's product): one product and a split where `_views`
+    found them side by side (one matrix), one product a weight otherwise."""
+    matrix = weights.get(names)
+    if matrix is None:
+        return tuple(F.linear(x, weights[name]) for name in names)
+    return tuple(F.linear(x, matrix).split([weights[name].shape[0] for name in names], dim=-1))
 
 
 def _gather(sharding: Sharding, part: torch.Tensor, group: str, late: bool = False) -> dict[str, torch.Tensor]:
