@@ -55,7 +55,8 @@ def runs_in(function: FunctionDecl, checked: Checked) -> list[Run]:
     version = Versions()
     reads: dict[tuple[str, int, str], list[tuple[str, int]]] = {}  # (input, its version, group var) -> (weight, stmt)
     for index, statement in enumerate(function.body):
-        for call in (n for n in ast.walk(statement) if is_linear(n, groups)):
+        calls = [] if isinstance(statement, ast.For) else [n for n in ast.walk(statement) if is_linear(n, groups)]
+        for call in calls:  # (a loop's body is emitted on its own: its products are left as written)
             x, weight = call.args
             key = (x.id, version[x.id], weight.value.id)
             reads.setdefault(key, []).append((weight.attr, index))

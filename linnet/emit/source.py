@@ -352,6 +352,7 @@ class _Writer:
                     if fetch:
                         lines.append(indent + fetch)
             if isinstance(statement, ast.For):
+                version.assigned_by(statement)  # as products.runs_in counts
                 group = self.program.groups[statement.iter.id]
                 inner = {**loop_vars, statement.target.id: group.name}
                 if self.schedule is not None and self.schedule.communicates:
