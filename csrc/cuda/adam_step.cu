@@ -116,10 +116,6 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(
   elementwise(update, param, exp_avg, exp_avg_sq, grad, chunks * kWidth, n);
 }
 
-bool aligned(const void* pointer, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
-}
-
 template <typename Grad, bool kDecoupled>
 void launch(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& grad,
             const Settings& settings) {

@@ -63,10 +63,6 @@ __global__ void copy_cast_pad_kernel(
   }
 }
 
-bool aligned(const void* pointer, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
-}
-
 template <typename Src, typename Dst, int N>
 void launch(const Src* src, int64_t src_numel, Dst* dst, int64_t dst_numel, double scale) {
   constexpr int kThreads = 256;

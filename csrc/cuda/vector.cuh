@@ -3,11 +3,19 @@
 // (up to 16 bytes; a 32-byte vector takes two).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 namespace linnet {
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vector {
   T values[N];
 };
+
+// Whether `pointer` may be read as Vectors of `bytes` bytes.
+inline bool aligned(const void* pointer, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
+}
 
 }  // namespace linnet
