@@ -21,6 +21,7 @@ with the same trailing dimensions (so that they stack into one matrix)."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from linnet.cardlang.check import Checked
@@ -55,11 +56,10 @@ def runs_in(function: FunctionDecl, checked: Checked) -> list[Run]:
     version = Versions()
     reads: dict[tuple[str, int, str], list[tuple[str, int]]] = {}  # (input, its version, group var) -> (weight, stmt)
     for index, statement in enumerate(function.body):
-        calls = [] if isinstance(statement, ast.For) else [n for n in ast.walk(statement) if is_linear(n, groups)]
-        for call in calls:  # (a loop's body is emitted on its own: its products are left as written)
-            x, weight = call.args
-            key = (x.id, version[x.id], weight.value.id)
-            reads.setdefault(key, []).append((weight.attr, index))
+        products = [] if isinstance(statement, ast.For) else [linear_read(n) for n in ast.walk(statement)]
+        for x, variable, weight in (p for p in products if p is not None and p[1] in groups):
+            # (a loop's body is emitted on its own: its products are left as written)
+            reads.setdefault((x, version[x], variable), []).append((weight, index))
         version.assigned_by(statement)
     runs = []
     taken = {n.id for s in function.body for n in ast.walk(s) if isinstance(n, ast.Name)} | {p.name for p in function.params}
@@ -97,7 +97,7 @@ class Versions(dict):
             self[target.id] += 1
 
 
-def replaced(runs: list[Run], statement: int, version: Versions) -> dict[tuple[str, str, str], str]:
+def replaced(runs: Sequence[Run], statement: int, version: Versions) -> dict[tuple[str, str, str], str]:
     """(input, group variable, weight) -> the run's output, for the products `statement` reads from a run
     made at or before it (its input still the value the run read)."""
     return {(run.input, run.group_variable, name): output for run in runs
@@ -105,11 +105,15 @@ def replaced(runs: list[Run], statement: int, version: Versions) -> dict[tuple[s
             for name, output in zip(run.names, run.outputs())}
 
 
-def is_linear(node: ast.AST, groups: dict[str, GroupDecl]) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "linear"
-            and len(node.args) == 2 and not node.keywords and isinstance(node.args[0], ast.Name)
-            and isinstance(node.args[1], ast.Attribute) and isinstance(node.args[1].value, ast.Name)
-            and node.args[1].value.id in groups)
+def linear_read(node: ast.AST) -> tuple[str, str, str] | None:
+    """(x, g, name) where `node` is `linear(x, g.name)` with x and g plain names, else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "linear"
+            and len(node.args) == 2 and not node.keywords):
+        return None
+    x, weight = node.args
+    if isinstance(x, ast.Name) and isinstance(weight, ast.Attribute) and isinstance(weight.value, ast.Name):
+        return x.id, weight.value.id, weight.attr
+    return None
 
 
 def _consecutive(group: GroupDecl, read: set[str]) -> list[tuple[str, ...]]:

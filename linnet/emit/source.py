@@ -25,7 +25,7 @@ from linnet.cardlang.check import Checked
 from linnet.cardlang.primitives import PRIMITIVES
 from linnet.cardlang.program import REGION_SUFFIX, FunctionDecl, GroupDecl
 from linnet.cardlang.types import GroupType, MaskType, TensorType, TupleType
-from linnet.emit.products import Versions, replaced, runs_in
+from linnet.emit.products import Versions, linear_read, replaced, runs_in
 from linnet.emit.schedule import Schedule
 
 
@@ -379,7 +379,7 @@ class _Writer:
                 lines += self.block(statement.body, function, inner, set(fetched), indent + "    ")
                 continue
             lines += [indent + run.line() for run in runs if run.statement == index]
-            products = replaced(list(runs), index, version)
+            products = replaced(runs, index, version)
             translated = _Translate(self, function, loop_vars, products).visit(copy.deepcopy(statement))
             comment = _type_comment(self.checked.assigned.get(id(statement)))
             lines.append(indent + ast.unparse(translated) + comment)
@@ -434,7 +434,7 @@ class _Translate(ast.NodeTransformer):
         return self.writer.weight(variable, weight)
 
     def visit_Call(self, node: ast.Call):
-        made = self._made_product(node)
+        made = self.products.get(linear_read(node))  # a product a run made already (products.py)
         if made is not None:
             return ast.Name(made)
         if node.func.id == "embedding" and isinstance(table := node.args[-1], ast.Attribute):
@@ -455,12 +455,3 @@ class _Translate(ast.NodeTransformer):
         if self.writer.sharded and _takes_group(callee):
             return ast.Call(ast.Name("checkpointed"), [node.func, *node.args], [])
         return node
-
-    def _made_product(self, node: ast.Call) -> str | None:
-        """The variable holding `linear(x, w.name)` where a run made it (products.py), else None."""
-        if node.func.id != "linear" or len(node.args) != 2:
-            return None
-        x, weight = node.args
-        if not (isinstance(x, ast.Name) and isinstance(weight, ast.Attribute) and isinstance(weight.value, ast.Name)):
-            return None
-        return self.products.get((x.id, weight.value.id, weight.attr))
