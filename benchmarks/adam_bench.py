@@ -11,18 +11,7 @@ import argparse
 import torch
 
 import linnet.torch.ops as ops
-
-
-def timed(function, repeats: int) -> float:
-    function()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        function()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeats
+from common import cuda_seconds
 
 
 def main() -> None:
@@ -48,7 +37,7 @@ def main() -> None:
                 param, exp_avg, exp_avg_sq, step, grad_bf16, lr, 0.9, 0.95, 0.1, 1e-8), 2),
         }
         for name, (function, gradient_bytes) in runs.items():
-            seconds = timed(function, args.repeats)
+            seconds = cuda_seconds(function, args.repeats)
             moved = size * (3 * 8 + gradient_bytes)
             print(f"RESULT size {size:>11,} {name:<22} {seconds * 1e3:8.3f} ms {moved / seconds / 1e12:6.2f} TB/s")
 

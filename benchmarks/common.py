@@ -1,5 +1,6 @@
-"""What both benchmark scripts (step.py for PyTorch, step_jax.py for JAX) share:
-the random rows they train on and the model FLOPs a token they report."""
+"""What the benchmark scripts share: the random rows step.py (PyTorch) and
+step_jax.py (JAX) train on, the model FLOPs a token they report, and the CUDA
+clock of the kernel benchmarks (adam_bench.py, fused_linears.py)."""
 
 import math
 
@@ -52,3 +53,20 @@ def flops_per_token(model, seq: int) -> int:
     tied = bool(checked.consts["tied"])
     matmul = parameters(model) if tied else parameters(model) - checked.dims["Vocab"] * checked.dims["D"]
     return 6 * matmul + 6 * checked.dims["Layers"] * seq * checked.dims["D"]
+
+
+def cuda_seconds(function, repeats: int, warmup: int = 1) -> float:
+    """Seconds a call of `function` takes on the GPU: the mean of `repeats` calls between two CUDA events,
+    after `warmup` calls (a first compile among them)."""
+    import torch  # here: step_jax.py imports this module too
+
+    for _ in range(warmup):
+        function()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        function()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats

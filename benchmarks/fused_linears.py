@@ -10,21 +10,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from common import cuda_seconds
+
 SHAPES = {"1b": (2048, [2048, 512, 512], [8192, 8192]), "3b": (3072, [3072, 1024, 1024], [8192, 8192]),
           "8b": (4096, [4096, 1024, 1024], [14336, 14336])}
-
-
-def timed(function, repeats=30) -> float:
-    for _ in range(3):
-        function()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        function()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def main() -> None:
@@ -42,7 +31,7 @@ def main() -> None:
             return sum(y.float().sum() for y in F.linear(x, flat.view(sum(outs), width)).split(outs, dim=-1))
         for form, function in (("separate", separate), ("one matmul", fused)):
             compiled = torch.compile(function)
-            ms = timed(lambda: torch.autograd.grad(compiled(x, flat), (x, flat)))
+            ms = 1e3 * cuda_seconds(lambda: torch.autograd.grad(compiled(x, flat), (x, flat)), repeats=30, warmup=3)
             print(f"RESULT {args.shape} {name:<8} {form:<10} forward and backward {ms:.3f} ms")
 
 
