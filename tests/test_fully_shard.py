@@ -104,13 +104,13 @@ def untied(tmp_path_factory):
 def test_a_looked_up_embedding_trains_as_single_process(untied, world, compile):
     """The table's rows are summed in another order than one process sums them (a ~3e-7 relative
     difference in its gradient: the next test), which AdamW's per-element steps grow to ~1.6e-5 over
-    five steps at world 3: the table is held to 5e-5, the rest to 1e-5."""
+    five steps at world 3. The table's difference changes the next steps' activations, so the layers'
+    weights differ too: v_proj's by 1.7e-5 at world 4 on an AMD EPYC's CPU kernels. All held to 5e-5."""
     expected_losses, expected_weights = reference(untied, world)
     for losses, weights, _ in run(sharded_training, world, untied, compile, "gather", timeout=600):
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         for name, tensor in weights.items():
-            bar = 5e-5 if name == "model.embed_tokens.weight" else 1e-5
-            assert relative_error(tensor, expected_weights[name].numpy()) < bar, name
+            assert relative_error(tensor, expected_weights[name].numpy()) < 5e-5, name
 
 
 def table_gradient(rank: int, world: int, card) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Adam's step taken in the backward (linnet/torch/step_in_backward.py): the op
 steps as torch.optim.Adam(W)(fused=True) does, and training that steps each
 part where its gradient is complete equals training that steps after the
-backward, bit for bit, eager and compiled, on one rank and on two."""
+backward, bit for bit, eager and compiled, on one rank and on two (there,
+compiled, within run-to-run noise: `assert_same_training`)."""
 
 from __future__ import annotations
 
@@ -104,13 +105,14 @@ def test_only_plain_adam_steps_a_sharded_model_in_the_backward():
     assert "gradient hook" in supported(sharded, torch.optim.AdamW([param]))
 
 
-def training(rank: int, world: int, card, compile: str | None, in_backward: bool, optimizer_kind=torch.optim.AdamW):
+def training(rank: int, world: int, card, compile: str | None, in_backward: bool, optimizer_kind=torch.optim.AdamW,
+             dtype: str = "f32"):
     """STEPS of linnet.train, sharded over `world` ranks: the losses, the parts, the optimizer's state."""
     from linnet.torch import fully_shard
     from linnet.train import train
 
     torch.set_num_threads(1)  # the same sums in the same order, run to run
-    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
+    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": dtype}, device="cpu",
                       cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
     fully_shard(model)
     optimizer = optimizer_kind(list(model.parameters()), lr=3e-3, weight_decay=0.1, eps=1e-6, fused=True)
@@ -122,14 +124,16 @@ def training(rank: int, world: int, card, compile: str | None, in_backward: bool
     return [s.loss for s in history.steps], parts, states
 
 
-def assert_same_training(actual, expected):
-    assert actual[0] == expected[0]
-    for mine, theirs in zip(actual[1], expected[1]):
-        np.testing.assert_array_equal(mine, theirs)
+def assert_same_training(actual, expected, noise: float = 0.0):
+    """The same losses, parts and optimizer state: bit for bit, or each tensor within `noise` times its
+    largest magnitude."""
+    np.testing.assert_allclose(actual[0], expected[0], rtol=noise, atol=0)
+    pairs = [(mine, theirs, "part") for mine, theirs in zip(actual[1], expected[1])]
     for mine, theirs in zip(actual[2], expected[2]):
         assert mine.keys() == theirs.keys() == {"step", "exp_avg", "exp_avg_sq"}
-        for key in mine:
-            np.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
+        pairs += [(mine[key], theirs[key], key) for key in mine]
+    for mine, theirs, what in pairs:
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=noise * np.abs(theirs).max(), err_msg=what)
 
 
 def compile_attempts(rank: int, world: int, card) -> list[str]:
@@ -151,9 +155,49 @@ def test_the_step_in_the_backward_compiles_at_the_first_attempt(card):
 @pytest.mark.parametrize("compile", [None, "inductor"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_training_that_steps_in_the_backward_equals_stepping_after(card, compile, world):
+    """Compiled on two ranks on the CPU, one run's gradients differ from another's by ~1e-7 of their
+    largest (the same run stepping after, too; eager and one rank are repeatable to the bit), which
+    Adam's steps, dividing its moments, grow to ~7e-7 of a tensor's largest over four steps (an AMD EPYC,
+    nineteenth session: benchmarks/NOTES.md). Held to 1e-5."""
     after, within = (run(training, world, card, compile, in_backward, timeout=300) for in_backward in (False, True))
     for rank in range(world):
-        assert_same_training(within[rank], after[rank])
+        assert_same_training(within[rank], after[rank], noise=1e-5 if compile and world > 1 else 0.0)
+
+
+def reductions(rank: int, world: int, card, compile: str | None, in_backward: bool) -> tuple[int, int, int]:
+    """(the reduce-scatters that a bf16 step on one rank runs, after a first (compiling) step; the parts; the
+    layers' parts)."""
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"}, device="cpu",
+                      cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-3, fused=True)
+    def one_step():
+        train(model, iter(rows(world)), optimizer=optimizer, steps=1, on_step=lambda s: None,
+              step_in_backward=in_backward)
+
+    one_step()  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        one_step()
+    ran = sum(event.count for event in profile.key_averages() if event.key == "linnet::reduce_scatter")
+    layers = sum(len(parts) for parts in model.params.values() if isinstance(parts, list))
+    return ran, len(list(model.parameters())), layers
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_on_one_rank_a_layers_bf16_gradient_steps_its_part_as_it_is(card, compile):
+    """On one rank, a layer's cast sends its bf16 gradient straight to the step (shard.py's `_take`):
+    the layers' parts are stepped with no reduce-scatter (on one rank, a cast to f32), and the training
+    equals stepping after, which widens each gradient first."""
+    after, within = (run(training, 1, card, compile, in_backward, torch.optim.AdamW, "bf16")[0]
+                     for in_backward in (False, True))
+    assert_same_training(within, after)
+    ran, parts, layers = run(reductions, 1, card, compile, True)[0]
+    assert layers > 0 and ran == parts - layers
+    ran, parts, layers = run(reductions, 1, card, compile, False)[0]
+    assert ran == parts
 
 
 def test_adam_with_l2_steps_in_the_backward_as_after(card):

@@ -47,7 +47,7 @@ from linnet.emit.source import late_parts
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
 from linnet.torch.replicas import LateParts
-from linnet.torch.step_in_backward import taken
+from linnet.torch.step_in_backward import Stepped, taken
 from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, group_specs
 
 ALIGN = 16  # elements: each tensor of a group starts on a 64-byte boundary in f32
@@ -274,7 +274,7 @@ def _bindings(sharding: Sharding) -> dict:
         "wait_gather": partial(_wait_gather, sharding),
         "launch_of": _launch_of,
         "hold": partial(_hold, sharding),
-        "take": taken,
+        "take": partial(_take, sharding),
         "after": _after,
         "checkpointed": partial(_checkpointed, sharding.recompute),
         "lookup": partial(_lookup, sharding),
@@ -350,10 +350,47 @@ def _linears(x: torch.Tensor, weights: dict, names: tuple) -> tuple:
     return tuple(F.linear(x, matrix).split([weights[name].shape[0] for name in names], dim=-1))
 
 
-def _gather(sharding: Sharding, part: torch.Tensor, group: str, late: bool = False) -> dict[str, torch.Tensor]:
+def _gather(sharding: Sharding, part, group: str, late: bool = False) -> dict[str, torch.Tensor]:
     """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once.
-    late: the part is reduced last, its mean across the replicas left to after the backward."""
+    late: the part is reduced last, its mean across the replicas left to after the backward. A part that
+    `_take` made a Sinking one is cast with its gradient going to the sink."""
+    if isinstance(part, Sinking):
+        return _views(sharding, _CastIntoSink.apply(part.part, part.sink, sharding.compute_dtype,
+                                                    sharding.group_name), group)
     return _views(sharding, ops.wait(_all_gather(sharding, taken(part), late)[0]), group)
+
+
+class Sinking(NamedTuple):
+    """On one rank, a part stepped in the backward as a layer's region receives it (`_take`): the part,
+    detached, and the sink its cast's gradient goes to."""
+
+    part: torch.Tensor
+    sink: torch.Tensor  # a zero of the compute dtype expanded to the part's size: its gradient steps the part
+
+
+class _CastIntoSink(torch.autograd.Function):
+    """On one rank, a part's gather, its cast to the compute dtype, whose gradient goes as it is to `sink`."""
+
+    @staticmethod
+    def forward(ctx, part, sink, dtype, group_name):
+        return ops.all_gather(part, dtype, 1, group_name)[0]
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return None, gradient, None, None
+
+
+def _take(sharding: Sharding, part):
+    """A layer's part as its loop hands it to the layer (`taken`). On one rank, a part stepped in the
+    backward is handed over Sinking: the layer's gather, its cast (made again in the backward rather than
+    kept), sends its gradient, in the compute dtype, to the sink, whose node steps the part with it as it is,
+    where a gather's backward would first make it f32 (its reduce-scatter on one rank: 3 ms of the 1B's
+    step on an H200). A layer's compiled region cannot step the part itself: torch refuses a region that
+    changes its inputs."""
+    if not (isinstance(part, Stepped) and sharding.world == 1 and sharding.replicas == 1):
+        return taken(part)
+    sink = torch.zeros((), dtype=sharding.compute_dtype, device=part.part.device).expand(part.part.shape)
+    return Sinking(part.part, taken(part, through=sink))
 
 
 class Launched(NamedTuple):

@@ -16,6 +16,8 @@ gradient is dropped. The identity is made where the part is first used, not
 where the entry starts: autograd runs the nodes made last first, so a node
 made first would run once the whole backward was done. Compiled, the step is
 in the backward graph, and a gradient lives from its reduction to its step.
+On one rank a layer's gradient has no reduction: it reaches the step in the
+compute dtype, as the layer's products made it (shard.py's `_take`).
 
     with stepping_in_backward(model, optimizer):
         loss = model.loss_packed(...)
@@ -97,20 +99,20 @@ def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
 
 
 class _StepInBackward(torch.autograd.Function):
-    """The parameter (detached), passed through as a tensor that requires grad (through `anchor`); its
-    gradient, once whole, steps it and goes no further."""
+    """`through` (the parameter, detached, or its cast: then `param`), passed through as a tensor that
+    requires grad (through `anchor`); its gradient, once whole, steps the parameter and goes no further."""
 
     @staticmethod
-    def forward(ctx, param, anchor, exp_avg, exp_avg_sq, step, lr, settings):
-        ctx.save_for_backward(param, exp_avg, exp_avg_sq, step, lr)
+    def forward(ctx, through, anchor, param, exp_avg, exp_avg_sq, step, lr, settings):
+        ctx.save_for_backward(through if param is None else param, exp_avg, exp_avg_sq, step, lr)
         ctx.settings = settings
-        return param.view_as(param)
+        return through.view_as(through)
 
     @staticmethod
     def backward(ctx, gradient):
         param, exp_avg, exp_avg_sq, step, lr = ctx.saved_tensors
         ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr.view(()), *ctx.settings)
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
 
 
 class Stepped(NamedTuple):
@@ -120,15 +122,18 @@ class Stepped(NamedTuple):
     state: PartState
 
 
-def taken(part):
+def taken(part, through: torch.Tensor | None = None):
     """The part as the code uses it: a Stepped one through the step in the backward. Made where the part is
     first used (the sharded code's bindings call this: linnet/torch/shard.py), so that autograd, which runs
-    the nodes made last first, reaches the step as soon as the gradient is complete, not at the end."""
+    the nodes made last first, reaches the step as soon as the gradient is complete, not at the end.
+    through: what the code uses in the part's place (its cast, on one rank), whose gradient steps the part
+    as is (Adam's step widens a narrower one as it reads it)."""
     if not isinstance(part, Stepped):
         return part
     state = part.state
-    return _StepInBackward.apply(part.part, state.anchor, state.exp_avg, state.exp_avg_sq, state.step, state.lr,
-                                 state.settings)
+    param = None if through is None else part.part  # one tensor is never passed twice (dynamo refuses it)
+    return _StepInBackward.apply(part.part if through is None else through, state.anchor, param, state.exp_avg,
+                                 state.exp_avg_sq, state.step, state.lr, state.settings)
 
 
 def with_steps(params, states):
