@@ -263,7 +263,9 @@ def schedules(rank: int, world: int, card, configurations: list) -> list:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_prefetch_depths_train_alike_when_compiled(card, world):
-    """The schedule moves communication, never arithmetic: every prefetch depth gives the same bits."""
+    """The schedule moves communication, never arithmetic: every prefetch depth trains alike. Not to the
+    bit: two compiled ranks on the CPU differ run to run by ~1e-7 of a gradient, at any one depth too
+    (an AMD EPYC, nineteenth session: benchmarks/NOTES.md), which Adam's steps grow to ~1e-6 of a weight."""
     depths = [("inductor", "gather", prefetch) for prefetch in (0, 1, 2)] + [("inductor", "full", 2)]
     expected_losses, expected_weights = reference(card, world)
     runs = run(schedules, world, card, depths, timeout=1200)[0]
@@ -271,14 +273,10 @@ def test_prefetch_depths_train_alike_when_compiled(card, world):
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     for name, tensor in weights.items():
         assert relative_error(tensor, expected_weights[name].numpy()) < 1e-5, name
-    for (other_losses, other_weights, _), configuration in zip(others[:2], depths[1:]):
-        assert other_losses == losses, configuration
+    for (other_losses, other_weights, _), configuration in zip(others, depths[1:]):
+        np.testing.assert_allclose(other_losses, losses, rtol=1e-6, err_msg=str(configuration))
         for name, tensor in other_weights.items():
-            np.testing.assert_array_equal(tensor, weights[name], err_msg=f"{configuration}: {name}")
-    full_losses, full_weights, _ = others[2]  # recomputing whole layers may fuse differently
-    np.testing.assert_allclose(full_losses, losses, rtol=1e-5)
-    for name, tensor in full_weights.items():
-        assert relative_error(tensor, weights[name]) < 1e-5, name
+            assert relative_error(tensor, weights[name]) < 1e-5, (configuration, name)
 
 
 def test_prefetched_training_at_world_4_equals_single_process(card):
