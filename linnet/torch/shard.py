@@ -384,8 +384,8 @@ def _take(sharding: Sharding, part):
     """A layer's part as its loop hands it to the layer (`taken`). On one rank, a part stepped in the
     backward is handed over Sinking: the layer's gather, its cast (made again in the backward rather than
     kept), sends its gradient, in the compute dtype, to the sink, whose node steps the part with it as it is,
-    where a gather's backward would first make it f32 (its reduce-scatter on one rank: 3 ms of the 1B's
-    step on an H200). A layer's compiled region cannot step the part itself: torch refuses a region that
+    where a gather's backward would first make it f32 (its reduce-scatter on one rank: about 3 ms of the
+    1B's step on an H200). A layer's compiled region cannot step the part itself: torch refuses a region that
     changes its inputs."""
     if not (isinstance(part, Stepped) and sharding.world == 1 and sharding.replicas == 1):
         return taken(part)

@@ -99,8 +99,9 @@ def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
 
 
 class _StepInBackward(torch.autograd.Function):
-    """`through` (the parameter, detached, or its cast: then `param`), passed through as a tensor that
-    requires grad (through `anchor`); its gradient, once whole, steps the parameter and goes no further."""
+    """`through` (the parameter, detached; or, with `param` given, what the parameter's gradient arrives
+    by), passed through as a tensor that requires grad (through `anchor`); its gradient, once whole, steps
+    the parameter and goes no further."""
 
     @staticmethod
     def forward(ctx, through, anchor, param, exp_avg, exp_avg_sq, step, lr, settings):
@@ -126,8 +127,8 @@ def taken(part, through: torch.Tensor | None = None):
     """The part as the code uses it: a Stepped one through the step in the backward. Made where the part is
     first used (the sharded code's bindings call this: linnet/torch/shard.py), so that autograd, which runs
     the nodes made last first, reaches the step as soon as the gradient is complete, not at the end.
-    through: what the code uses in the part's place (its cast, on one rank), whose gradient steps the part
-    as is (Adam's step widens a narrower one as it reads it)."""
+    through: what the part's gradient arrives by instead (on one rank, the sink its cast's gradient goes to:
+    shard.py's `_take`), which steps the part as it is (Adam's step widens a narrower one as it reads it)."""
     if not isinstance(part, Stepped):
         return part
     state = part.state
