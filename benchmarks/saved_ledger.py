@@ -81,11 +81,10 @@ def ledger(layers: int) -> collections.Counter:
 
 fewer, more = ledger(args.layers), ledger(args.layers + 1)
 a_layer = more - fewer  # what one more layer keeps
-for (shape, dtype), size in sorted(a_layer.items(), key=lambda item: -item[1]):
-    print(f"a layer: {dtype}{list(shape)}: {size / 2**20:.2f} MiB")
 rest = fewer - collections.Counter({kind: size * args.layers for kind, size in a_layer.items()})
-for (shape, dtype), size in sorted(rest.items(), key=lambda item: -item[1]):
-    print(f"the rest: {dtype}{list(shape)}: {size / 2**20:.2f} MiB")
+for label, kinds in (("a layer", a_layer), ("the rest", rest)):
+    for (shape, dtype), size in kinds.most_common():
+        print(f"{label}: {dtype}{list(shape)}: {size / 2**20:.2f} MiB")
 print("RESULT " + json.dumps(dict(card=args.card, tokens=args.tokens, recompute=args.recompute,
                                   step_in_backward=not args.step_after,
                                   kept_a_layer_mib=round(sum(a_layer.values()) / 2**20, 2),

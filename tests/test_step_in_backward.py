@@ -105,16 +105,22 @@ def test_only_plain_adam_steps_a_sharded_model_in_the_backward():
     assert "gradient hook" in supported(sharded, torch.optim.AdamW([param]))
 
 
+def sharded(card, compile: str | None = None, dtype: str = "f32", recompute: str = "gather"):
+    """The card with random weights, sharded over the default group (each caller runs in its rank)."""
+    from linnet.torch import fully_shard
+
+    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": dtype}, device="cpu",
+                      cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
+    return fully_shard(model, recompute=recompute)
+
+
 def training(rank: int, world: int, card, compile: str | None, in_backward: bool, optimizer_kind=torch.optim.AdamW,
              dtype: str = "f32"):
     """STEPS of linnet.train, sharded over `world` ranks: the losses, the parts, the optimizer's state."""
-    from linnet.torch import fully_shard
     from linnet.train import train
 
     torch.set_num_threads(1)  # the same sums in the same order, run to run
-    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": dtype}, device="cpu",
-                      cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
-    fully_shard(model)
+    model = sharded(card, compile, dtype)
     optimizer = optimizer_kind(list(model.parameters()), lr=3e-3, weight_decay=0.1, eps=1e-6, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))  # the lr changes each step
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, schedule=schedule,
@@ -167,13 +173,11 @@ def test_training_that_steps_in_the_backward_equals_stepping_after(card, compile
 def reductions(rank: int, world: int, card, compile: str | None, in_backward: bool) -> tuple[int, int, int]:
     """(the reduce-scatters that a bf16 step on one rank runs, after a first (compiling) step; the parts; the
     layers' parts)."""
-    from linnet.torch import fully_shard
     from linnet.train import train
 
-    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"}, device="cpu",
-                      cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
-    fully_shard(model)
+    model = sharded(card, compile, "bf16")
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-3, fused=True)
+
     def one_step():
         train(model, iter(rows(world)), optimizer=optimizer, steps=1, on_step=lambda s: None,
               step_in_backward=in_backward)
@@ -210,11 +214,7 @@ def one_backward(rank: int, world: int, card, compile: str | None):
     backward leaves every gradient and moves none. Also whether each part entered detached."""
     from torch.utils._pytree import tree_leaves
 
-    from linnet.torch import fully_shard
-
-    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
-                      cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
-    fully_shard(model)
+    model = sharded(card, compile)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2)
     row = rows(world)[rank]
     inputs = [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
@@ -256,8 +256,6 @@ def backward_ops(rank: int, world: int, card) -> list[str]:
     each matrix product."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from linnet.torch import fully_shard
-
     class Record(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -268,9 +266,7 @@ def backward_ops(rank: int, world: int, card) -> list[str]:
                 self.names.append("step" if func is torch.ops.linnet.adam_step_.default else "mm")
             return func(*args, **(kwargs or {}))
 
-    model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
-                      cast_dtype=True, trainable=True, weights="random", seed=0, entry="loss_packed")
-    fully_shard(model, recompute="full")
+    model = sharded(card, recompute="full")
     row = rows(world)[rank]
     inputs = [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
     with stepping_in_backward(model, torch.optim.AdamW(list(model.parameters()), lr=1e-2)):
@@ -294,13 +290,10 @@ def test_each_part_steps_as_soon_as_its_gradient_is_complete(card, world):
 
 def settings_changed(rank: int, world: int, card, in_backward: bool):
     """Two compiled `train` runs on one model, the weight decay changed between them: the parts."""
-    from linnet.torch import fully_shard
     from linnet.train import train
 
     torch.set_num_threads(1)
-    model = fully_shard(nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
-                                  cast_dtype=True, trainable=True, weights="random", seed=0, compile="inductor",
-                                  entry="loss_packed"))
+    model = sharded(card, "inductor")
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, fused=True)
     for decay in (0.1, 0.3):
         optimizer.param_groups[0]["weight_decay"] = decay
