@@ -17,6 +17,7 @@ import torch.distributed as dist
 from common import flops_per_token, load_rows, parameters, random_rows
 
 from linnet import nest
+from linnet.emit import prims_torch
 from linnet.torch import fully_shard
 from linnet.train import evaluate, train
 
@@ -45,7 +46,11 @@ parser.add_argument("--profile", metavar="FOLDER", help="trace the last two step
                     "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
 parser.add_argument("--compile-times", action="store_true", help="after the run, where the compile's seconds went: "
                     "dynamo's, AOT autograd's and inductor's phases, the longest first (rank 0)")
+parser.add_argument("--loss", default="fused", choices=["fused", "generated"], help="the fast numerics' loss: Linnet's "
+                    "op (csrc/linear_cross_entropy.cpp) or the generated code's F.cross_entropy, compiled (to compare)")
 args = parser.parse_args()
+if args.loss == "generated":  # before the card is loaded: the emitter copies the primitives it finds there
+    prims_torch.FAST["cross_entropy"] = prims_torch.cross_entropy
 
 dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()

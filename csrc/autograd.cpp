@@ -48,6 +48,19 @@ at::Tensor call_after(const at::Tensor& x, at::TensorList forward_deps, at::Tens
   return handle.call(x, forward_deps, backward_deps);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_linear_cross_entropy_forward(
+    const at::Tensor& hidden,
+    const at::Tensor& head,
+    const at::Tensor& targets,
+    const at::Tensor& weights,
+    int64_t chunk_rows,
+    bool gradients = true) {
+  static auto handle = op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool)>(
+      "linnet::linear_cross_entropy_forward");
+  return handle.call(hidden, head, targets, weights, chunk_rows, gradients);
+}
+
 // How a gradient is reduce-scattered into a part (and summed across the
 // replicas that hold it): kept by a forward, used by its backward
 // (AllGather's, which waits, and WaitGathered's, which does not).
@@ -230,6 +243,21 @@ class WaitGathered : public torch::autograd::Function<WaitGathered> {
   }
 };
 
+// The cast's gradient goes to the sink as it is; the part takes none.
+class CastIntoSink : public torch::autograd::Function<CastIntoSink> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& part, const at::Tensor& sink, at::ScalarType dtype) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto handle =
+        op<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>("linnet::cast_into_sink");
+    return handle.call(part, sink, dtype);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {at::Tensor(), grads[0], at::Tensor()};
+  }
+};
+
 // A copy that orders: the forward runs once forward_deps exist, the backward
 // (a copy of the gradient) once backward_deps exist. Only backward_deps are
 // kept for the backward; the dependencies get no gradient.
@@ -269,6 +297,43 @@ class Wait : public torch::autograd::Function<Wait> {
     return {grads[0]};
   }
 };
+
+// The loss's gradients are made with it, in the forward (the logits are
+// never whole: csrc/linear_cross_entropy.cpp); the backward only scales them
+// by the loss's gradient. Where no gradient is wanted, none is made.
+class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
+ public:
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& hidden,
+      const at::Tensor& head,
+      const at::Tensor& targets,
+      const at::Tensor& weights,
+      int64_t chunk_rows) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [loss, grad_hidden, grad_head] = call_linear_cross_entropy_forward(hidden, head, targets, weights, chunk_rows);
+    ctx->save_for_backward({grad_hidden, grad_head});
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    return {saved[0] * grads[0], saved[1] * grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor linear_cross_entropy_autograd(
+    const at::Tensor& hidden,
+    const at::Tensor& head,
+    const at::Tensor& targets,
+    const at::Tensor& weights,
+    int64_t chunk_rows) {
+  if (at::GradMode::is_enabled() && (hidden.requires_grad() || head.requires_grad())) {
+    return LinearCrossEntropy::apply(hidden, head, targets, weights, chunk_rows);
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return std::get<0>(call_linear_cross_entropy_forward(hidden, head, targets, weights, chunk_rows, false));
+}
 
 // Adam's step takes no gradient: below autograd it runs as it is, and the
 // tensors it changes in place count a new version, so that autograd refuses
@@ -348,7 +413,11 @@ TORCH_LIBRARY_IMPL(linnet, Autograd, m) {
         return linnet::After::apply(x, forward_deps, backward_deps);
       });
   m.impl("wait", [](const at::Tensor& tensor) { return linnet::Wait::apply(tensor); });
+  m.impl("cast_into_sink", [](const at::Tensor& part, const at::Tensor& sink, at::ScalarType dtype) {
+    return linnet::CastIntoSink::apply(part, sink, dtype);
+  });
   m.impl("adam_step_", &linnet::adam_step_autograd);
+  m.impl("linear_cross_entropy", &linnet::linear_cross_entropy_autograd);
   m.impl(
       "wait_gathered",
       [](const at::Tensor& gathered,

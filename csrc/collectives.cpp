@@ -150,6 +150,22 @@ std::tuple<at::Tensor, at::Tensor> all_gather(
   return {output, token};
 }
 
+at::Tensor cast_into_sink(const at::Tensor& part, const at::Tensor& sink, at::ScalarType dtype, CopyCastPad copy) {
+  TORCH_CHECK(
+      sink.sizes() == part.sizes() && sink.scalar_type() == dtype && sink.device() == part.device(),
+      "cast_into_sink: the sink must have the part's shape ",
+      part.sizes(),
+      " and device, in ",
+      dtype,
+      "; got shape ",
+      sink.sizes(),
+      " in ",
+      sink.scalar_type(),
+      " on ",
+      sink.device());
+  return std::get<0>(all_gather(part, dtype, 1, "", copy));
+}
+
 at::Tensor reduce_scatter(
     const at::Tensor& full,
     const std::string& reduce_op,

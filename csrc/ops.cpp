@@ -106,6 +106,8 @@ TORCH_LIBRARY(linnet, m) {
       "reduce_scatter(Tensor full, str reduce_op, ScalarType reduce_dtype, int group_size, "
       "str group_name, str replicate_group_name=\"\", int replicas=1) -> Tensor",
       collective_tags);
+  // On one rank: a part's cast, whose gradient goes to `sink` (csrc/ops.h).
+  m.def("cast_into_sink(Tensor part, Tensor sink, ScalarType dtype) -> Tensor", tags);
   m.def(
       "after(Tensor x, Tensor[] forward_deps, Tensor[] backward_deps) -> Tensor",
       torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::after),
@@ -121,6 +123,23 @@ TORCH_LIBRARY(linnet, m) {
       "wait_gathered(Tensor gathered, Tensor part, str reduce_op, ScalarType reduce_dtype, int group_size, "
       "str group_name, str replicate_group_name=\"\", int replicas=1) -> Tensor",
       torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::wait_gathered),
+      tags);
+  // The head's product and the cross-entropy, a chunk of rows at a time:
+  // `linear_cross_entropy` is the loss (differentiable: its gradients are
+  // made in the forward, below autograd, by `linear_cross_entropy_forward`);
+  // `softmax_cross_entropy_` turns a chunk's logits into their gradient.
+  m.def(
+      "linear_cross_entropy(Tensor hidden, Tensor head, Tensor targets, Tensor weights, int chunk_rows) -> Tensor",
+      torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::linear_cross_entropy),
+      tags);
+  m.def(
+      "linear_cross_entropy_forward(Tensor hidden, Tensor head, Tensor targets, Tensor weights, int chunk_rows, "
+      "bool gradients) -> (Tensor, Tensor, Tensor)",
+      torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::linear_cross_entropy_forward),
+      tags);
+  m.def(
+      "softmax_cross_entropy_(Tensor(a!) logits, Tensor targets, Tensor scale) -> Tensor",
+      torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::softmax_cross_entropy_),
       tags);
   // Adam's step of one parameter, in place, for a backward to take where the
   // gradient arrives (the lr a tensor, so that a schedule changes no graph).

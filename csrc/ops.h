@@ -28,6 +28,11 @@ std::tuple<at::Tensor, at::Tensor> all_gather(
     int64_t group_size,
     const std::string& group_name,
     CopyCastPad copy);
+// One rank's gather: `part` cast to `dtype`. Its gradient goes, as it is, to
+// `sink` (an expanded zero of the cast's shape and dtype, which the forward
+// does not read), not to the part (csrc/autograd.cpp): on one rank, the
+// optimizer steps the part from the gradient the sink receives.
+at::Tensor cast_into_sink(const at::Tensor& part, const at::Tensor& sink, at::ScalarType dtype, CopyCastPad copy);
 // Launches the reduce-scatter of `full` in `reduce_dtype` and returns this
 // rank's part in f32, valid once waited (a narrower reduction is cast when
 // waited for). With replicas > 1 (hybrid sharding), the part is then summed
@@ -103,6 +108,37 @@ void check_adam_step(
     const at::Tensor& gradient,
     const at::Tensor& lr);
 
+// The target that F.cross_entropy ignores (its default ignore_index): its
+// row's loss and gradient are zero.
+constexpr int64_t kIgnoredTarget = -100;
+
+// Turns each row of `logits` (rows, vocabulary) in place into the gradient of
+// its cross-entropy, (softmax - onehot(target)) * scale[row], and returns the
+// rows' losses, logsumexp - logit[target], in f32 (both zero where the target
+// is kIgnoredTarget). This body is ATen's ops on any device; CUDA has one
+// kernel of its own (csrc/cuda/cross_entropy.cu).
+at::Tensor softmax_cross_entropy_(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& scale);
+void check_softmax_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& scale);
+
+// The mean over `weights` of the rows' cross-entropies of hidden @ head.T,
+// made `chunk_rows` rows at a time (csrc/linear_cross_entropy.cpp); with
+// `gradients`, also the loss's gradients of hidden and head, else two empty
+// tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_forward(
+    const at::Tensor& hidden,
+    const at::Tensor& head,
+    const at::Tensor& targets,
+    const at::Tensor& weights,
+    int64_t chunk_rows,
+    bool gradients);
+// The loss alone (where no gradient is wanted; csrc/autograd.cpp makes both).
+at::Tensor linear_cross_entropy(
+    const at::Tensor& hidden,
+    const at::Tensor& head,
+    const at::Tensor& targets,
+    const at::Tensor& weights,
+    int64_t chunk_rows);
+
 // Checks that a backend's kernels accept: a floating dtype (what the copy
 // kernels are instantiated for).
 void check_floating(const at::Tensor& tensor, const char* op, const char* what);
@@ -129,6 +165,9 @@ void register_kernels(torch::Library& m) {
         // The reduce settings are the gradient's (csrc/autograd.cpp).
         return all_gather(part, dtype, group_size, group_name, copy);
       });
+  m.impl("cast_into_sink", [](const at::Tensor& part, const at::Tensor& sink, at::ScalarType dtype) {
+    return cast_into_sink(part, sink, dtype, copy);
+  });
   m.impl(
       "reduce_scatter",
       [](const at::Tensor& full,

@@ -198,6 +198,20 @@ def test_buffer_ops_opcheck():
     )
 
 
+def test_cast_into_sink_casts_and_sends_its_gradient_to_the_sink():
+    part = _random(40, 9).requires_grad_()
+    sink = torch.zeros((), dtype=torch.bfloat16).expand(40).requires_grad_()
+    cast = ops.cast_into_sink(part, sink, torch.bfloat16)
+    assert torch.equal(cast, part.detach().bfloat16())
+    gradient = _random(40, 10, torch.bfloat16)
+    cast.backward(gradient)
+    assert part.grad is None and torch.equal(sink.grad, gradient)
+    torch.library.opcheck(torch.ops.linnet.cast_into_sink.default, (part, torch.zeros(40, dtype=torch.bfloat16)
+                                                                       .requires_grad_(), torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"cast_into_sink: the sink must have the part's shape \[40\]"):
+        ops.cast_into_sink(part, torch.zeros(39, dtype=torch.bfloat16), torch.bfloat16)
+
+
 def test_buffer_ops_compile_with_their_gradients():
     def layout_round_trip(tensors, weights):
         layout = ops.flat_layout([t.numel() for t in tensors], 4, 3)

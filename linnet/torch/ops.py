@@ -77,6 +77,12 @@ def reduce_scatter(full: torch.Tensor, reduce_op: str, reduce_dtype: torch.dtype
     return _ops.reduce_scatter(full, reduce_op, reduce_dtype, group_size, group_name, replicate_group_name, replicas)
 
 
+def cast_into_sink(part: torch.Tensor, sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One rank's gather: `part` cast to `dtype`, whose gradient goes, as it is, to `sink` (a tensor of the cast's
+    shape and dtype, such as an expanded zero, that the forward does not read) and not to the part."""
+    return _ops.cast_into_sink(part, sink, dtype)
+
+
 def wait_gathered(gathered: torch.Tensor, part: torch.Tensor, reduce_op: str, reduce_dtype: torch.dtype,
                   group_size: int, group_name: str, replicate_group_name: str = "", replicas: int = 1) -> torch.Tensor:
     """`gathered` (launched by `all_gather` from `part` detached) once its gather is done. The
@@ -109,12 +115,23 @@ def adam_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tens
     _ops.adam_step_(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled)
 
 
+def linear_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                         chunk_rows: int = 1024) -> torch.Tensor:
+    """The mean over `weights` of the cross-entropies of the logits `hidden @ head.T` (hidden (rows, width), head
+    (vocabulary, width), one integer target and one weight a row; a target of -100 is ignored, as F.cross_entropy
+    ignores it), as a 0-d f32 tensor. The logits are made `chunk_rows` rows at a time and never held whole; where a
+    gradient is wanted, the gradients of hidden and head are made in the same pass and kept for the backward in
+    place of the logits (csrc/linear_cross_entropy.cpp)."""
+    return _ops.linear_cross_entropy(hidden, head, targets, weights, chunk_rows)
+
+
 def collective_overloads() -> frozenset:
-    """The op overloads that communicate or wait, as a dispatch mode sees them
-    (below autograd): a checkpoint policy recomputes these rather than save them."""
+    """The op overloads that communicate or wait, and one rank's gather (its cast), as a dispatch mode sees
+    them (below autograd): a checkpoint policy recomputes these rather than save them."""
     return frozenset(
         {
             _ops.all_gather.default,
+            _ops.cast_into_sink.default,
             _ops.reduce_scatter.default,
             _ops.wait.default,
             _ops.wait_gathered.default,
@@ -136,6 +153,11 @@ def _(flat, rank, world):
 @torch.library.register_fake("linnet::all_gather")
 def _(part, dtype, group_size, group_name, reduce_op="sum", reduce_dtype=None, replicate_group_name="", replicas=1):
     return part.new_empty(part.numel() * group_size, dtype=dtype), part.new_empty(0)
+
+
+@torch.library.register_fake("linnet::cast_into_sink")
+def _(part, sink, dtype):
+    return part.new_empty(part.shape, dtype=dtype)
 
 
 @torch.library.register_fake("linnet::reduce_scatter")
@@ -161,3 +183,22 @@ def _(tensor):
 @torch.library.register_fake("linnet::adam_step_")
 def _(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled=True):
     return None
+
+
+@torch.library.register_fake("linnet::linear_cross_entropy")
+def _(hidden, head, targets, weights, chunk_rows):
+    return hidden.new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("linnet::linear_cross_entropy_forward")
+def _(hidden, head, targets, weights, chunk_rows, gradients):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    if not gradients:
+        return loss, hidden.new_empty(0), head.new_empty(0)
+    return loss, torch.empty_like(hidden, memory_format=torch.contiguous_format), \
+        torch.empty_like(head, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("linnet::softmax_cross_entropy_")
+def _(logits, targets, scale):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)

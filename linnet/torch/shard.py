@@ -355,8 +355,7 @@ def _gather(sharding: Sharding, part, group: str, late: bool = False) -> dict[st
     late: the part is reduced last, its mean across the replicas left to after the backward. A part that
     `_take` made a Sinking one is cast with its gradient going to the sink."""
     if isinstance(part, Sinking):
-        return _views(sharding, _CastIntoSink.apply(part.part, part.sink, sharding.compute_dtype,
-                                                    sharding.group_name), group)
+        return _views(sharding, ops.cast_into_sink(part.part, part.sink, sharding.compute_dtype), group)
     return _views(sharding, ops.wait(_all_gather(sharding, taken(part), late)[0]), group)
 
 
@@ -366,18 +365,6 @@ class Sinking(NamedTuple):
 
     part: torch.Tensor
     sink: torch.Tensor  # a zero of the compute dtype expanded to the part's size: its gradient steps the part
-
-
-class _CastIntoSink(torch.autograd.Function):
-    """On one rank, a part's gather, its cast to the compute dtype, whose gradient goes as it is to `sink`."""
-
-    @staticmethod
-    def forward(ctx, part, sink, dtype, group_name):
-        return ops.all_gather(part, dtype, 1, group_name)[0]
-
-    @staticmethod
-    def backward(ctx, gradient):
-        return None, gradient, None, None
 
 
 def _take(sharding: Sharding, part):
