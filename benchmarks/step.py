@@ -46,11 +46,12 @@ parser.add_argument("--profile", metavar="FOLDER", help="trace the last two step
                     "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
 parser.add_argument("--compile-times", action="store_true", help="after the run, where the compile's seconds went: "
                     "dynamo's, AOT autograd's and inductor's phases, the longest first (rank 0)")
-parser.add_argument("--loss", default="fused", choices=["fused", "generated"], help="the fast numerics' loss: Linnet's "
-                    "op (csrc/linear_cross_entropy.cpp) or the generated code's F.cross_entropy, compiled (to compare)")
+parser.add_argument("--loss", default="generated", choices=["generated", "op"], help="the loss: the generated code's "
+                    "F.cross_entropy, compiled, or Linnet's op that never holds the logits whole "
+                    "(csrc/linear_cross_entropy.cpp), swapped into the fast numerics to compare")
 args = parser.parse_args()
-if args.loss == "generated":  # before the card is loaded: the emitter copies the primitives it finds there
-    prims_torch.FAST["cross_entropy"] = prims_torch.cross_entropy
+if args.loss == "op":  # before the card is loaded: the emitter copies the primitives it finds there
+    prims_torch.FAST["cross_entropy"] = prims_torch.cross_entropy_in_one_op
 
 dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -140,3 +140,34 @@ def test_a_target_outside_the_vocabulary_is_refused_on_the_cpu():
     targets[7] = head.shape[0]
     with pytest.raises(RuntimeError, match=r"a target outside \[0, 1000\)"):
         ops.linear_cross_entropy(hidden, head, targets, weights)
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_as_the_generated_codes_loss_it_trains_a_card_alike(monkeypatch, compile):
+    """prims_torch.cross_entropy_in_one_op in place of the fast numerics' loss (benchmarks/step.py --loss op):
+    tiny-llama's loss and weight gradients as the generated code's, in f32."""
+    from linnet import nest
+    from linnet.emit import prims_torch
+
+    def loss_and_gradients_of(model):
+        generator = torch.Generator().manual_seed(1)
+        tokens, targets = (torch.randint(0, 512, (2, 24), generator=generator, dtype=torch.int32) for _ in "tt")
+        weights = torch.rand(2, 24, generator=generator)
+        loss = model.loss(tokens, targets, weights)
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_weights()}
+
+    def load():
+        torch._dynamo.reset()
+        return nest.load("tiny-llama", numerics="fast", generics={"Batch": 2, "MaxSeq": 24, "T": "f32"},
+                         weights="random", trainable=True, compile=compile, entry="loss")
+
+    expected = loss_and_gradients_of(load())
+    monkeypatch.setitem(prims_torch.FAST, "cross_entropy", prims_torch.cross_entropy_in_one_op)
+    model = load()
+    assert "torch.ops.linnet.linear_cross_entropy" in model.source
+    actual = loss_and_gradients_of(model)
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-6, atol=0)
+    assert expected[1] and all(gradient is not None for gradient in expected[1].values())
+    for name, gradient in expected[1].items():
+        torch.testing.assert_close(actual[1][name], gradient, rtol=1e-5, atol=1e-7, msg=name)

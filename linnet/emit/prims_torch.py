@@ -147,9 +147,11 @@ def cross_entropy(hidden, head, targets, weights):
     return (losses * weights).sum() / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def cross_entropy_fused(hidden, head, targets, weights):
+def cross_entropy_in_one_op(hidden, head, targets, weights):
     # The head's product and the loss in one of Linnet's ops (csrc/linear_cross_entropy.cpp), 1024 rows at a
     # time: the logits are never whole, and the backward keeps the gradients the forward made, not the logits.
+    # Not in FAST: on an H100 the 1B's step took 1.5% longer with it, for 0.24 GiB less at its peak
+    # (benchmarks/NOTES.md, twentieth session); benchmarks/step.py --loss op measures it.
     return torch.ops.linnet.linear_cross_entropy(hidden.flatten(0, 1), head, targets.flatten(), weights.flatten(),
                                                  1024)
 
@@ -160,5 +162,4 @@ _SHARED = {
               arange_positions, to_f32, cross_entropy)
 }
 EXACT = {**_SHARED, "attention": attention_exact, "causal_mask": causal_mask_exact, "document_mask": document_mask}
-FAST = {**_SHARED, "attention": attention_fast, "causal_mask": causal_mask_fast, "document_mask": document_mask_fast,
-        "cross_entropy": cross_entropy_fused}
+FAST = {**_SHARED, "attention": attention_fast, "causal_mask": causal_mask_fast, "document_mask": document_mask_fast}

@@ -12,7 +12,7 @@ import torch
 
 from linnet.emit.torch_backend import TORCH
 from linnet.model import LoadedModel
-from linnet.torch import ops  # noqa: F401  registers torch.ops.linnet, which the fast numerics' loss calls
+from linnet.torch import ops  # noqa: F401  registers torch.ops.linnet (prims_torch.cross_entropy_in_one_op calls it)
 from linnet.torch.schemas_once import schemas_once
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
