@@ -18,35 +18,6 @@ namespace linnet {
 
 namespace {
 
-void check_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& scale, const char* op) {
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must be (rows, vocabulary), got shape ", logits.sizes());
-  const int64_t rows = logits.size(0);
-  TORCH_CHECK(
-      targets.dim() == 1 && targets.size(0) == rows && !at::isFloatingType(targets.scalar_type()),
-      op,
-      ": targets must be integers, one per row (",
-      rows,
-      "), got ",
-      targets.scalar_type(),
-      " of shape ",
-      targets.sizes());
-  TORCH_CHECK(
-      scale.dim() == 1 && scale.size(0) == rows && scale.scalar_type() == at::kFloat,
-      op,
-      ": scale must be float32, one per row (",
-      rows,
-      "), got ",
-      scale.scalar_type(),
-      " of shape ",
-      scale.sizes());
-  TORCH_CHECK(
-      targets.device() == logits.device() && scale.device() == logits.device(),
-      op,
-      ": targets and scale must be on the logits' device (",
-      logits.device(),
-      ")");
-}
-
 at::Tensor call_softmax_cross_entropy(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& scale) {
   static auto handle = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("linnet::softmax_cross_entropy_", "")
@@ -57,7 +28,30 @@ at::Tensor call_softmax_cross_entropy(at::Tensor& logits, const at::Tensor& targ
 }  // namespace
 
 void check_softmax_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& scale) {
-  check_rows(logits, targets, scale, "softmax_cross_entropy_");
+  TORCH_CHECK(
+      logits.dim() == 2, "softmax_cross_entropy_: logits must be (rows, vocabulary), got shape ", logits.sizes());
+  const int64_t rows = logits.size(0);
+  TORCH_CHECK(
+      targets.dim() == 1 && targets.size(0) == rows && !at::isFloatingType(targets.scalar_type()),
+      "softmax_cross_entropy_: targets must be integers, one per row (",
+      rows,
+      "), got ",
+      targets.scalar_type(),
+      " of shape ",
+      targets.sizes());
+  TORCH_CHECK(
+      scale.dim() == 1 && scale.size(0) == rows && scale.scalar_type() == at::kFloat,
+      "softmax_cross_entropy_: scale must be float32, one per row (",
+      rows,
+      "), got ",
+      scale.scalar_type(),
+      " of shape ",
+      scale.sizes());
+  TORCH_CHECK(
+      targets.device() == logits.device() && scale.device() == logits.device(),
+      "softmax_cross_entropy_: targets and scale must be on the logits' device (",
+      logits.device(),
+      ")");
 }
 
 at::Tensor softmax_cross_entropy_(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& scale) {
