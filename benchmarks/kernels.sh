@@ -11,6 +11,11 @@
 #                                          (step.py --step-after): step, peak memory and first step, each shape
 #                                          (8b: recompute "gather"; an 8B pair takes about 7 minutes); WHEN
 #                                          picks the runs (default "in-backward after")
+#   bash benchmarks/kernels.sh beside [1b 3b]   the issue's table: Linnet under "gather" and "matmuls" beside the
+#                                          ceiling (plain_ceiling.py), each shape (default both); LOSS=op swaps in the
+#                                          loss op (step.py --loss op) for Linnet's runs
+#   bash benchmarks/kernels.sh snapshot [1b]   what is live at the peak of the 1B's step ("matmuls"; or 3b):
+#                                          step.py --memory-snapshot, read by benchmarks/memory_peak.py
 # Logs under $OUT; each run's RESULT line is printed.
 source "$(dirname "$0")/stage.sh"
 case "${1:-}" in
@@ -49,5 +54,20 @@ case "${1:-}" in
         run "linnet-$shape-step-$when" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --steps 12 --compile-times "${extra[@]}" "${flag[@]}"
       done
     done ;;
-  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]"; exit 2 ;;
+  beside)
+    shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 3b)
+    for shape in "${shapes[@]}"; do
+      for recompute in gather matmuls; do
+        run "linnet-$shape-$recompute-loss-${LOSS:-generated}" torchrun --nproc_per_node=1 benchmarks/step.py \
+          --card llama-3.2-$shape --recompute $recompute --loss "${LOSS:-generated}" --steps 12
+      done
+      run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 12
+    done ;;
+  snapshot)
+    shape=${2:-1b}
+    run "snapshot-$shape" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --recompute matmuls \
+      --loss "${LOSS:-generated}" --steps 6 --memory-snapshot "$OUT/snapshot-$shape.pickle"
+    grep "recording" "$OUT/snapshot-$shape.log"
+    python3 benchmarks/memory_peak.py "$OUT/snapshot-$shape.pickle" --top 40 | tee "$OUT/snapshot-$shape-peak.txt" ;;
+  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]|beside [shapes]|snapshot [shape]"; exit 2 ;;
 esac

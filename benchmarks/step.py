@@ -44,6 +44,8 @@ parser.add_argument("--memory-trace", action="store_true", help="after each step
                     "collectives c10d still holds un-waited (its work registry): what a step leaves behind")
 parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (torch.profiler): FOLDER/trace.json.gz "
                     "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
+parser.add_argument("--memory-snapshot", metavar="FILE", help="record the allocator over the last step and write its "
+                    "snapshot (torch.cuda.memory._dump_snapshot); benchmarks/memory_peak.py reads what is live at the peak")
 parser.add_argument("--compile-times", action="store_true", help="after the run, where the compile's seconds went: "
                     "dynamo's, AOT autograd's and inductor's phases, the longest first (rank 0)")
 parser.add_argument("--loss", default="generated", choices=["generated", "op"], help="the loss: the generated code's "
@@ -90,6 +92,10 @@ def on_step(s):
                   f"{_get_work_registry_size()}", flush=True)
     if profiler is not None:
         profiler.step()
+    if args.memory_snapshot and s.step == args.steps - 2:  # record the last step, compiled and warm
+        torch.cuda.synchronize()
+        print(f"  recording the allocator from {torch.cuda.memory_allocated()} bytes allocated", flush=True)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
 
 
 held_out = load_rows(args.held_out, rank, world) if args.held_out else None
@@ -103,6 +109,9 @@ if profiler is not None:
         os.makedirs(args.profile, exist_ok=True)
         profiler.export_chrome_trace(os.path.join(args.profile, "trace.json.gz"))
         print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
+if args.memory_snapshot:
+    torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+    torch.cuda.memory._record_memory_history(enabled=None)
 loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
