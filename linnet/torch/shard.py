@@ -352,8 +352,10 @@ def _linears(x: torch.Tensor, weights: dict, names: tuple) -> tuple:
 
 def _gather(sharding: Sharding, part, group: str, late: bool = False) -> dict[str, torch.Tensor]:
     """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once.
-    late: the part is reduced last, its mean across the replicas left to after the backward. A part that
-    `_take` made a Sinking one is cast with its gradient going to the sink."""
+    late: the part is reduced last, its mean across the replicas left to after the backward. On one rank a
+    stepped part is cast with its gradient going to the sink (`_take`): a layer's, and a tied table's, whose
+    two gradients (the lookup's and the head's) autograd sums in the compute dtype either way."""
+    part = _take(sharding, part)
     if isinstance(part, Sinking):
         return _views(sharding, ops.cast_into_sink(part.part, part.sink, sharding.compute_dtype), group)
     return _views(sharding, ops.wait(_all_gather(sharding, taken(part), late)[0]), group)
@@ -368,8 +370,8 @@ class Sinking(NamedTuple):
 
 
 def _take(sharding: Sharding, part):
-    """A layer's part as its loop hands it to the layer (`taken`). On one rank, a part stepped in the
-    backward is handed over Sinking: the layer's gather, its cast (made again in the backward rather than
+    """A layer's part as its loop hands it to the layer, or a part as `_gather` first uses it (`taken`). On
+    one rank, a part stepped in the backward is handed over Sinking: the layer's gather, its cast (made again in the backward rather than
     kept), sends its gradient, in the compute dtype, to the sink, whose node steps the part with it as it is,
     where a gather's backward would first make it f32 (its reduce-scatter on one rank: about 3 ms of the
     1B's step on an H200). A layer's compiled region cannot step the part itself: torch refuses a region that
