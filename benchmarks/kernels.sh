@@ -16,6 +16,8 @@
 #                                          loss op (step.py --loss op) for Linnet's runs
 #   bash benchmarks/kernels.sh snapshot [1b]   what is live at the peak of the 1B's step ("matmuls"; or 3b):
 #                                          step.py --memory-snapshot, read by benchmarks/memory_peak.py
+#   bash benchmarks/kernels.sh profile [1b]   two traced steps ("gather"; or 3b): the kernels by time, and the
+#                                          sources of the Triton ones among them (benchmarks/top_kernels.py)
 # Logs under $OUT; each run's RESULT line is printed.
 source "$(dirname "$0")/stage.sh"
 case "${1:-}" in
@@ -69,5 +71,12 @@ case "${1:-}" in
       --loss "${LOSS:-generated}" --steps 6 --memory-snapshot "$OUT/snapshot-$shape.pickle"
     grep "recording" "$OUT/snapshot-$shape.log"
     python3 benchmarks/memory_peak.py "$OUT/snapshot-$shape.pickle" --top 40 | tee "$OUT/snapshot-$shape-peak.txt" ;;
-  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]|beside [shapes]|snapshot [shape]"; exit 2 ;;
+  profile)
+    shape=${2:-1b}
+    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/linnet-inductor}
+    run "profile-$shape" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --loss "${LOSS:-generated}" \
+      --steps 8 --profile "$OUT/profile-$shape"
+    python3 benchmarks/top_kernels.py "$OUT/profile-$shape/trace.json.gz" --top 40 --sources "$TORCHINDUCTOR_CACHE_DIR" \
+      --out "$OUT/profile-$shape/kernels" | tee "$OUT/profile-$shape/top.txt" | head -30 ;;
+  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]|beside [shapes]|snapshot [shape]|profile [shape]"; exit 2 ;;
 esac
