@@ -6,6 +6,7 @@ probe (benchmarks/peers/fsdp2_baseline.py) measures its peer: one packed
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -51,9 +52,10 @@ parser.add_argument("--compile-times", action="store_true", help="after the run,
 parser.add_argument("--loss", default="generated", choices=["generated", "op"], help="the loss: the generated code's "
                     "F.cross_entropy, compiled, or Linnet's op that never holds the logits whole "
                     "(csrc/linear_cross_entropy.cpp), swapped into the fast numerics to compare")
+parser.add_argument("--loss-rows", type=int, default=1024, help="with --loss op: the rows of each of its chunks")
 args = parser.parse_args()
 if args.loss == "op":  # before the card is loaded: the emitter copies the primitives it finds there
-    prims_torch.FAST["cross_entropy"] = prims_torch.cross_entropy_in_one_op
+    prims_torch.FAST["cross_entropy"] = functools.partial(prims_torch.cross_entropy_in_one_op, rows=args.loss_rows)
 
 dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()

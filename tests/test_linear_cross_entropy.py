@@ -144,8 +144,11 @@ def test_a_target_outside_the_vocabulary_is_refused_on_the_cpu():
 
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_as_the_generated_codes_loss_it_trains_a_card_alike(monkeypatch, compile):
-    """prims_torch.cross_entropy_in_one_op in place of the fast numerics' loss (benchmarks/step.py --loss op):
-    tiny-llama's loss and weight gradients as the generated code's, in f32."""
+    """prims_torch.cross_entropy_in_one_op in place of the fast numerics' loss (benchmarks/step.py --loss op),
+    its chunks of 10 rows set as step.py --loss-rows sets them: tiny-llama's loss and weight gradients as the
+    generated code's, in f32."""
+    import functools
+
     from linnet import nest
     from linnet.emit import prims_torch
 
@@ -163,9 +166,9 @@ def test_as_the_generated_codes_loss_it_trains_a_card_alike(monkeypatch, compile
                          weights="random", trainable=True, compile=compile, entry="loss")
 
     expected = loss_and_gradients_of(load())
-    monkeypatch.setitem(prims_torch.FAST, "cross_entropy", prims_torch.cross_entropy_in_one_op)
+    monkeypatch.setitem(prims_torch.FAST, "cross_entropy", functools.partial(prims_torch.cross_entropy_in_one_op, rows=10))
     model = load()
-    assert "torch.ops.linnet.linear_cross_entropy" in model.source
+    assert "torch.ops.linnet.linear_cross_entropy" in model.source and "rows=10" in model.source
     actual = loss_and_gradients_of(model)
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-6, atol=0)
     assert expected[1] and all(gradient is not None for gradient in expected[1].values())

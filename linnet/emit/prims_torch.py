@@ -147,13 +147,13 @@ def cross_entropy(hidden, head, targets, weights):
     return (losses * weights).sum() / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def cross_entropy_in_one_op(hidden, head, targets, weights):
-    # The head's product and the loss in one of Linnet's ops (csrc/linear_cross_entropy.cpp), 1024 rows at a
+def cross_entropy_in_one_op(hidden, head, targets, weights, rows=1024):
+    # The head's product and the loss in one of Linnet's ops (csrc/linear_cross_entropy.cpp), `rows` at a
     # time: the logits are never whole, and the backward keeps the gradients the forward made, not the logits.
     # Not in FAST: on an H100 the 1B's step took 1.5% longer with it, for 0.24 GiB less at its peak
     # (benchmarks/NOTES.md, twentieth session); benchmarks/step.py --loss op measures it.
     return torch.ops.linnet.linear_cross_entropy(hidden.flatten(0, 1), head, targets.flatten(), weights.flatten(),
-                                                 1024)
+                                                 rows)
 
 
 _SHARED = {
