@@ -11,8 +11,9 @@
 #                                          (step.py --step-after): step, peak memory and first step, each shape
 #                                          (8b: recompute "gather"; an 8B pair takes about 7 minutes); WHEN
 #                                          picks the runs (default "in-backward after")
-#   bash benchmarks/kernels.sh beside [1b 3b]   the table: Linnet under "gather" and "matmuls" beside the
-#                                          ceiling (plain_ceiling.py), each shape (default both); LOSS=op swaps in the
+#   bash benchmarks/kernels.sh beside [1b 3b]   the table: Linnet under "gather" and "matmuls", each with
+#                                          its gathers made again in the backward and kept (--no-reshard), beside
+#                                          the ceiling (plain_ceiling.py), each shape (default both); LOSS=op swaps in the
 #                                          loss op (step.py --loss op) for Linnet's runs
 #   bash benchmarks/kernels.sh snapshot [1b]   what is live at the peak of the 1B's step ("matmuls"; or 3b):
 #                                          step.py --memory-snapshot, read by benchmarks/memory_peak.py
@@ -60,8 +61,10 @@ case "${1:-}" in
     shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 3b)
     for shape in "${shapes[@]}"; do
       for recompute in gather matmuls; do
-        run "linnet-$shape-$recompute-loss-${LOSS:-generated}" torchrun --nproc_per_node=1 benchmarks/step.py \
-          --card llama-3.2-$shape --recompute $recompute --loss "${LOSS:-generated}" --steps 12
+        for reshard in "" --no-reshard; do
+          run "linnet-$shape-$recompute${reshard:+-kept}-loss-${LOSS:-generated}" torchrun --nproc_per_node=1 \
+            benchmarks/step.py --card llama-3.2-$shape --recompute $recompute $reshard --loss "${LOSS:-generated}" --steps 12
+        done
       done
       run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 12
     done ;;

@@ -27,6 +27,8 @@ parser.add_argument("--card", default="llama-3.2-1b")
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--tokens", type=int, default=4096)
 parser.add_argument("--recompute", default="gather", choices=["gather", "matmuls", "full"])
+parser.add_argument("--no-reshard", action="store_true", help="fully_shard(reshard_after_forward=False): each layer's "
+                    "gathered weights (on one rank, its cast) kept from the forward to the backward")
 parser.add_argument("--prefetch", type=int, default=1, help="layers whose gathers run ahead (fully_shard's prefetch)")
 parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
@@ -71,7 +73,7 @@ if args.mesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", tuple(int(n) for n in args.mesh.split("x")), mesh_dim_names=("replicate", "shard"))
-fully_shard(model, mesh=mesh, recompute=args.recompute, prefetch=args.prefetch,
+fully_shard(model, mesh=mesh, recompute=args.recompute, reshard_after_forward=not args.no_reshard, prefetch=args.prefetch,
             reduce_dtype=torch.float32 if args.reduce_dtype == "f32" else torch.bfloat16)
 torch.cuda.synchronize()
 load_s, load_peak = time.perf_counter() - start, torch.cuda.max_memory_allocated()  # nest.load and fully_shard
@@ -117,7 +119,8 @@ if args.memory_snapshot:
 loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
-result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, recompute=args.recompute, prefetch=args.prefetch,
+result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, recompute=args.recompute,
+              reshard_after_forward=not args.no_reshard, loss=args.loss, prefetch=args.prefetch,
               reduce_dtype=args.reduce_dtype, compiled=not args.no_compile, step_in_backward=not args.step_after,
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),

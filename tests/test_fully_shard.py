@@ -68,12 +68,13 @@ def reference(card, world: int, device: str = "cpu") -> tuple[list[float], dict]
 
 
 def sharded_training(rank: int, world: int, card, compile: str | None, recompute: str, prefetch: int = 1,
-                     reduce_dtype: torch.dtype = torch.float32):
+                     reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True):
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
     from linnet.train import train
 
-    model = fully_shard(load(card, compile=compile), recompute=recompute, prefetch=prefetch, reduce_dtype=reduce_dtype)
+    model = fully_shard(load(card, compile=compile), recompute=recompute, prefetch=prefetch, reduce_dtype=reduce_dtype,
+                        reshard_after_forward=reshard_after_forward)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
     weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
@@ -182,6 +183,60 @@ def test_compiled_and_full_recompute_equal_eager(card):
         np.testing.assert_allclose(other[0][0], eager[0][0], rtol=1e-5)
         for name, tensor in other[0][1].items():
             assert relative_error(tensor, eager[0][1][name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_gathers_kept_for_the_backward_train_as_gathered_again(card, world, compile):
+    """reshard_after_forward=False keeps each layer's gathered weights for its backward: the same training,
+    under every recompute policy (the same arithmetic: eager, to the bit)."""
+    for recompute in ("gather", "matmuls", "full"):
+        again, kept = (run(sharded_training, world, card, compile, recompute, 1, torch.float32, reshard,
+                           timeout=600)[0] for reshard in (True, False))
+        np.testing.assert_allclose(kept[0], again[0], rtol=0 if compile is None else 1e-6)
+        for name, tensor in kept[1].items():
+            assert relative_error(tensor, again[1][name]) <= (0 if compile is None else 1e-6), (recompute, name)
+
+
+def gathers_in_the_backward(rank: int, world: int, card, compile: str | None, recompute: str, reshard: bool) -> int:
+    """How many gathers (on one rank, casts) one step's backward runs: counted as dispatched in eager code, as
+    calls in inductor's code of the backward compiled. No prefetch: the tiny card's two layers are the last
+    prefetch + 1, whose gathers the schedule keeps either way."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linnet.torch import fully_shard
+
+    model = fully_shard(load(card, compile=compile), recompute=recompute, prefetch=0, reshard_after_forward=reshard)
+    data = rows(world)[rank]
+    inputs = [torch.from_numpy(getattr(data, f))[None] for f in FIELDS]
+    gathers = ("linnet.all_gather.default", "linnet.cast_into_sink.default")
+    if compile:
+        _, (_, backward) = run_and_get_code(lambda: model.loss_packed(*inputs).backward())
+        return len(re.findall(r"torch\.ops\.linnet\.(all_gather|cast_into_sink)\.default\(", backward))
+
+    class Count(TorchDispatchMode):
+        seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.seen += str(func) in gathers
+            return func(*args, **(kwargs or {}))
+
+    loss = model.loss_packed(*inputs)
+    with Count():
+        loss.backward()
+    return Count.seen
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_gathers_kept_for_the_backward_are_not_gathered_again(card, world, compile):
+    for recompute in ("gather", "matmuls", "full"):
+        again, kept = (run(gathers_in_the_backward, world, card, compile, recompute, reshard, timeout=600)[0]
+                       for reshard in (True, False))
+        assert again > 0 and kept == 0, (recompute, again, kept)  # (a layer compiled once is one call in the code)
 
 
 def products_policy_decisions(rank: int, world: int, card, recompute: str) -> tuple[dict, set]:
