@@ -93,10 +93,10 @@ class Sharding:
     world: int  # that group's size: the parts a group of weights is cut into
     layouts: dict  # card group name -> GroupLayout
     recompute: str
-    reshard_after_forward: bool  # False: each layer's gathered weights kept from its forward to its backward
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype  # what gradients are reduce-scattered (and all-reduced across replicas) in
     schedule: Schedule
+    reshard_after_forward: bool = True  # False: each layer's gathered weights kept from its forward to its backward
     replicate_group_name: str | None = None  # the ranks that hold the same parts (the mesh's "replicate" dimension)
     replicas: int = 1
     replica: int = 0  # this rank's, in that group: replica 0 writes the parts into checkpoints
@@ -174,8 +174,8 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     read = _parts_from_weights if model.weight_source is None else _parts_from_source  # loaded whole, or not read yet
     parts = read(model, layouts, rank, world)
     model.params = parts
-    model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, reshard_after_forward, model.compute_dtype,
-                              reduce_dtype if world * replicas > 1 else torch.float32, schedule,
+    model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
+                              reduce_dtype if world * replicas > 1 else torch.float32, schedule, reshard_after_forward,
                               None if replicate is None else replicate.group_name, replicas, replica,
                               runs_by_group(checked, list(checked.program.functions.values())))
     model._install(model.emit(schedule=schedule), _bindings(model.sharding))
