@@ -32,6 +32,8 @@ parser.add_argument("--layers", type=int, default=1, help="the card with this ma
                     "difference is a layer's")
 parser.add_argument("--tokens", type=int, default=256)
 parser.add_argument("--recompute", default="gather", choices=["gather", "matmuls", "full"])
+parser.add_argument("--no-reshard", action="store_true", help="fully_shard(reshard_after_forward=False): the "
+                    "layers' casts kept")
 parser.add_argument("--step-after", action="store_true", help="no step in the backward")
 args = parser.parse_args()
 
@@ -47,7 +49,7 @@ def ledger(layers: int) -> collections.Counter:
     model = nest.load(card, backend="torch", device="cpu", numerics="fast", compile="inductor",
                       generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"}, cast_dtype=True, trainable=True,
                       weights="random", entry="loss")
-    fully_shard(model, recompute=args.recompute)
+    fully_shard(model, recompute=args.recompute, reshard_after_forward=not args.no_reshard)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, fused=True)
     tokens = torch.randint(0, model.checked.dims["Vocab"], (1, args.tokens), dtype=torch.int32,
                            generator=torch.Generator().manual_seed(0))
@@ -85,7 +87,7 @@ rest = fewer - collections.Counter({kind: size * args.layers for kind, size in a
 for label, kinds in (("a layer", a_layer), ("the rest", rest)):
     for (shape, dtype), size in kinds.most_common():
         print(f"{label}: {dtype}{list(shape)}: {size / 2**20:.2f} MiB")
-print("RESULT " + json.dumps(dict(card=args.card, tokens=args.tokens, recompute=args.recompute,
+print("RESULT " + json.dumps(dict(card=args.card, tokens=args.tokens, recompute=args.recompute, reshard_after_forward=not args.no_reshard,
                                   step_in_backward=not args.step_after,
                                   kept_a_layer_mib=round(sum(a_layer.values()) / 2**20, 2),
                                   kept_else_mib=round(sum(rest.values()) / 2**20, 2))))
