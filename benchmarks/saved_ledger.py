@@ -87,8 +87,8 @@ rest = fewer - collections.Counter({kind: size * args.layers for kind, size in a
 for label, kinds in (("a layer", a_layer), ("the rest", rest)):
     for (shape, dtype), size in kinds.most_common():
         print(f"{label}: {dtype}{list(shape)}: {size / 2**20:.2f} MiB")
-print("RESULT " + json.dumps(dict(card=args.card, tokens=args.tokens, recompute=args.recompute, reshard_after_forward=not args.no_reshard,
-                                  step_in_backward=not args.step_after,
+print("RESULT " + json.dumps(dict(card=args.card, tokens=args.tokens, recompute=args.recompute,
+                                  reshard_after_forward=not args.no_reshard, step_in_backward=not args.step_after,
                                   kept_a_layer_mib=round(sum(a_layer.values()) / 2**20, 2),
                                   kept_else_mib=round(sum(rest.values()) / 2**20, 2))))
 dist.destroy_process_group()
