@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distributed import run
-from hf_models import write_tied_card
+from hf_models import BASE, LLAMA3_SCALING, write_card, write_tied_card
 from linnet import nest
 from linnet.packing import Example, pack
 from linnet.torch import ops
@@ -26,6 +26,13 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def card(tmp_path_factory):
     return write_tied_card(tmp_path_factory.mktemp("card"))
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A head of its own (as the 8B's): the embedding is looked up, the head gathered with the final norm."""
+    return write_card(tmp_path_factory.mktemp("untied"), {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": False},
+                      LLAMA3_SCALING, repo="no-weights: random ones are drawn")
 
 
 def rows(world: int) -> list:
@@ -203,6 +210,17 @@ def test_on_one_rank_a_layers_bf16_gradient_steps_its_part_as_it_is(card, compil
     assert layers > 0 and ran == 0
     ran, parts, layers = run(reductions, 1, card, compile, False)[0]
     assert ran == parts
+
+
+def test_on_one_rank_an_untied_heads_bf16_gradient_steps_it_as_it_is(untied):
+    """The head gathered with the final norm sends its bf16 gradient to its step as a layer does (the
+    looked-up embedding's gradient is its rows', f32): the same training as stepping after, and no
+    linnet::reduce_scatter (on one rank, a cast to f32) at all."""
+    after, within = (run(training, 1, untied, None, in_backward, torch.optim.AdamW, "bf16")[0]
+                     for in_backward in (False, True))
+    assert_same_training(within, after)
+    ran, parts, layers = run(reductions, 1, untied, None, True)[0]
+    assert layers > 0 and ran == 0
 
 
 def test_adam_with_l2_steps_in_the_backward_as_after(card):
