@@ -127,7 +127,8 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torc
 
 def collective_overloads() -> frozenset:
     """The op overloads that communicate or wait, and one rank's gather (its cast), as a dispatch mode sees
-    them (below autograd): a checkpoint policy recomputes these rather than save them."""
+    them (below autograd): a checkpoint policy recomputes these rather than save them, or keeps them
+    (fully_shard's reshard_after_forward=False)."""
     return frozenset(
         {
             _ops.all_gather.default,

@@ -106,7 +106,8 @@ class Sharding:
 
 
 def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, mesh=None, recompute: str = "gather",
-                reshard_after_forward: bool = True, prefetch: int = 1, reduce_dtype: torch.dtype = torch.float32, stall_timeout: float | None = None) -> TorchModel:
+                reshard_after_forward: bool = True, prefetch: int = 1, reduce_dtype: torch.dtype = torch.float32,
+                stall_timeout: float | None = None) -> TorchModel:
     """Shards `model` in place over `group` (default: the default process group) and returns it.
 
     mesh: a DeviceMesh in place of `group`, as FSDP2's: of one dimension, it is that dimension's group;
@@ -378,11 +379,11 @@ class Sinking(NamedTuple):
 
 def _take(sharding: Sharding, part):
     """A layer's part as its loop hands it to the layer, or a part as `_gather` first uses it (`taken`). On
-    one rank, a part stepped in the backward is handed over Sinking: the layer's gather, its cast (made again in the backward rather than
-    kept), sends its gradient, in the compute dtype, to the sink, whose node steps the part with it as it is,
-    where a gather's backward would first make it f32 (its reduce-scatter on one rank: about 3 ms of the
-    1B's step on an H200). A layer's compiled region cannot step the part itself: torch refuses a region that
-    changes its inputs."""
+    one rank, a part stepped in the backward is handed over Sinking: its gather, a cast (made again in the
+    backward, unless reshard_after_forward=False keeps it), sends its gradient, in the compute dtype, to the
+    sink, whose node steps the part with it as it is, where a gather's backward would first make it f32
+    (its reduce-scatter on one rank: about 3 ms of the 1B's step on an H200). A layer's compiled region
+    cannot step the part itself: torch refuses a region that changes its inputs."""
     if not (isinstance(part, Stepped) and sharding.world == 1 and sharding.replicas == 1):
         return taken(part)
     sink = torch.zeros((), dtype=sharding.compute_dtype, device=part.part.device).expand(part.part.shape)
