@@ -29,14 +29,15 @@ def on_a_mesh(card, shape: tuple[int, int] = (2, 2), compile: str | None = None,
 
 
 def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str, prefetch: int,
-                    reduce_dtype: torch.dtype = torch.float32):
+                    reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True):
     from linnet.torch.shard import gathered_weights
     from linnet.train import train
 
     # One thread a rank: inductor's CPU kernels then add each embedding gradient in one order (with two,
     # in the order the threads' atomic adds land; AdamW carried that to 1.5e-5 in a weight once, in CI).
     torch.set_num_threads(1)
-    model = on_a_mesh(card, shape, compile, recompute=recompute, prefetch=prefetch, reduce_dtype=reduce_dtype)
+    model = on_a_mesh(card, shape, compile, recompute=recompute, prefetch=prefetch, reduce_dtype=reduce_dtype,
+                      reshard_after_forward=reshard_after_forward)
     assert (model.sharding.replicas, model.sharding.world) == shape
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
@@ -54,6 +55,18 @@ def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile
 def test_a_2d_mesh_trains_as_single_process(card, shape, compile, recompute, prefetch):
     expected_losses, expected_weights = reference(card, 4)
     for losses, weights in run(hybrid_training, 4, card, shape, compile, recompute, prefetch, timeout=900 if compile else 300):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        for name, tensor in weights.items():
+            assert relative_error(tensor, expected_weights[name].numpy()) < 1e-5, name
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_a_2d_mesh_keeping_its_gathers_trains_as_single_process(card, compile):
+    """reshard_after_forward=False on a (2, 2) mesh, no prefetch (so that by default every layer is gathered
+    again in the backward): the backward reduces and averages what the forward's gathers kept."""
+    expected_losses, expected_weights = reference(card, 4)
+    for losses, weights in run(hybrid_training, 4, card, (2, 2), compile, "gather", 0, torch.float32, False,
+                               timeout=900 if compile else 300):
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         for name, tensor in weights.items():
             assert relative_error(tensor, expected_weights[name].numpy()) < 1e-5, name
