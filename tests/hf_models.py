@@ -34,6 +34,12 @@ def write_tied_card(folder: Path, layers: int = BASE["num_hidden_layers"]) -> Pa
     return write_card(folder, config, LLAMA3_SCALING, repo="no-weights: random ones are drawn")
 
 
+def write_untied_card(folder: Path) -> Path:
+    """The same Llama with a head of its own (as the 8B's): sharded, its embedding is looked up, not gathered."""
+    config = {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    return write_card(folder, config, LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+
+
 def load_hf(card_path: Path, dtype=torch.float32, attn="eager"):
     from transformers import LlamaForCausalLM
 

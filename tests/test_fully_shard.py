@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed import run
-from hf_models import BASE, LLAMA3_SCALING, write_card, write_tied_card
+from hf_models import write_tied_card, write_untied_card
 from linnet import nest
 from linnet.packing import Example, pack
 
@@ -97,8 +97,7 @@ def test_sharded_training_equals_single_process(card, world):
 @pytest.fixture(scope="module")
 def untied(tmp_path_factory):
     """The same Llama with a head of its own: sharded, its embedding is looked up, not gathered."""
-    return write_card(tmp_path_factory.mktemp("untied"), {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": False},
-                      LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+    return write_untied_card(tmp_path_factory.mktemp("untied"))
 
 
 @pytest.mark.parametrize("world, compile", [(2, None), (3, None), (4, None), (2, "inductor")])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distributed import run
-from hf_models import BASE, LLAMA3_SCALING, write_card, write_tied_card
+from hf_models import write_tied_card, write_untied_card
 from linnet import nest
 from linnet.packing import Example, pack
 from linnet.torch import ops
@@ -31,8 +31,7 @@ def card(tmp_path_factory):
 @pytest.fixture(scope="module")
 def untied(tmp_path_factory):
     """A head of its own (as the 8B's): the embedding is looked up, the head gathered with the final norm."""
-    return write_card(tmp_path_factory.mktemp("untied"), {**BASE, "num_key_value_heads": 2, "tie_word_embeddings": False},
-                      LLAMA3_SCALING, repo="no-weights: random ones are drawn")
+    return write_untied_card(tmp_path_factory.mktemp("untied"))
 
 
 def rows(world: int) -> list:

@@ -366,7 +366,7 @@ def _gather(sharding: Sharding, part, group: str, late: bool = False) -> dict[st
     part = _take(sharding, part)
     if isinstance(part, Sinking):
         return _views(sharding, ops.cast_into_sink(part.part, part.sink, sharding.compute_dtype), group)
-    return _views(sharding, ops.wait(_all_gather(sharding, taken(part), late)[0]), group)
+    return _views(sharding, ops.wait(_all_gather(sharding, part, late)[0]), group)
 
 
 class Sinking(NamedTuple):
