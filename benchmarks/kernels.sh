@@ -15,8 +15,12 @@
 #                                          its gathers made again in the backward and kept (--no-reshard), beside
 #                                          the ceiling (plain_ceiling.py), each shape (default both); LOSS=op swaps in the
 #                                          loss op (step.py --loss op) for Linnet's runs
-#   bash benchmarks/kernels.sh snapshot [1b]   what is live at the peak of the 1B's step ("matmuls"; or 3b):
-#                                          step.py --memory-snapshot, read by benchmarks/memory_peak.py
+#   bash benchmarks/kernels.sh casts [1b 3b]    Adam's step writing each part's cast for the next forward
+#                                          (step.py --casts-from-step) against the forward casting, the layers'
+#                                          casts kept (--no-reshard) and not, beside the ceiling (default 1b)
+#   bash benchmarks/kernels.sh snapshot [1b]   what is live at the peak of the 1B's step (or 3b; RECOMPUTE, default
+#                                          "matmuls", and LOSS pick the run): step.py --memory-snapshot, read by
+#                                          benchmarks/memory_peak.py
 #   bash benchmarks/kernels.sh profile [1b]   two traced steps ("gather"; or 3b): the kernels by time, and the
 #                                          sources of the Triton ones among them (benchmarks/top_kernels.py)
 # Logs under $OUT; each run's RESULT line is printed.
@@ -68,12 +72,27 @@ case "${1:-}" in
       done
       run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 12
     done ;;
+  casts)  # then the shapes (default 1b): Adam's step writing each part's cast for the next forward, against the
+          # forward casting, with the layers' casts kept (--no-reshard, where fully_shard has the step write them)
+          # and not (where it does not: forced), beside the ceiling
+    shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b)
+    for shape in "${shapes[@]}"; do
+      for casts in auto never; do
+        run "linnet-$shape-gather-kept-casts-$casts" torchrun --nproc_per_node=1 benchmarks/step.py \
+          --card llama-3.2-$shape --no-reshard --casts-from-step $casts --steps 12
+      done
+      for casts in auto always; do
+        run "linnet-$shape-gather-casts-$casts" torchrun --nproc_per_node=1 benchmarks/step.py \
+          --card llama-3.2-$shape --casts-from-step $casts --steps 12
+      done
+      run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 12
+    done ;;
   snapshot)
-    shape=${2:-1b}
-    run "snapshot-$shape" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --recompute matmuls \
-      --loss "${LOSS:-generated}" --steps 6 --memory-snapshot "$OUT/snapshot-$shape.pickle"
-    grep "recording" "$OUT/snapshot-$shape.log"
-    python3 benchmarks/memory_peak.py "$OUT/snapshot-$shape.pickle" --top 40 | tee "$OUT/snapshot-$shape-peak.txt" ;;
+    shape=${2:-1b}; name="snapshot-$shape-${RECOMPUTE:-matmuls}-loss-${LOSS:-generated}"
+    run "$name" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --recompute "${RECOMPUTE:-matmuls}" \
+      --loss "${LOSS:-generated}" --steps 6 --memory-snapshot "/tmp/$name.pickle"
+    grep "recording" "$OUT/$name.log"
+    python3 benchmarks/memory_peak.py "/tmp/$name.pickle" --top 40 > "$OUT/$name-peak.txt"; head -30 "$OUT/$name-peak.txt" ;;
   profile)
     shape=${2:-1b}
     export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/linnet-inductor}
@@ -81,5 +100,5 @@ case "${1:-}" in
       --steps 8 --profile "$OUT/profile-$shape"
     python3 benchmarks/top_kernels.py "$OUT/profile-$shape/trace.json.gz" --top 40 --sources "$TORCHINDUCTOR_CACHE_DIR" \
       --out "$OUT/profile-$shape/kernels" | tee "$OUT/profile-$shape/top.txt" | head -30 ;;
-  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]|beside [shapes]|snapshot [shape]|profile [shape]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]|beside [shapes]|casts [shapes]|snapshot [shape]|profile [shape]"; exit 2 ;;
 esac

@@ -19,7 +19,7 @@ from common import flops_per_token, load_rows, parameters, random_rows
 
 from linnet import nest
 from linnet.emit import prims_torch
-from linnet.torch import fully_shard
+from linnet.torch import fully_shard, shard
 from linnet.train import evaluate, train
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,7 +55,12 @@ parser.add_argument("--loss", default="generated", choices=["generated", "op"], 
                     "F.cross_entropy, compiled, or Linnet's op that never holds the logits whole "
                     "(csrc/linear_cross_entropy.cpp), swapped into the fast numerics to compare")
 parser.add_argument("--loss-rows", type=int, default=1024, help="with --loss op: the rows of each of its chunks")
+parser.add_argument("--casts-from-step", default="auto", choices=["auto", "always", "never"], help="on one rank, "
+                    "whether Adam's step writes each part's cast for the next forward: as fully_shard decides "
+                    "(linnet/torch/shard.py, `_casts_from_the_step`), or forced either way to compare")
 args = parser.parse_args()
+if args.casts_from_step != "auto":
+    shard._casts_from_the_step = lambda sharding: args.casts_from_step == "always"
 if args.loss == "op":  # before the card is loaded: the emitter copies the primitives it finds there
     prims_torch.FAST["cross_entropy"] = functools.partial(prims_torch.cross_entropy_in_one_op, rows=args.loss_rows)
 
@@ -120,7 +125,8 @@ loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 seq = args.tokens
 result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, recompute=args.recompute,
-              reshard_after_forward=not args.no_reshard, loss=args.loss, prefetch=args.prefetch,
+              reshard_after_forward=not args.no_reshard, loss=args.loss, casts_from_step=args.casts_from_step,
+              prefetch=args.prefetch,
               reduce_dtype=args.reduce_dtype, compiled=not args.no_compile, step_in_backward=not args.step_after,
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),

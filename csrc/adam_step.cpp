@@ -66,7 +66,8 @@ void adam_step_(
     double beta2,
     double weight_decay,
     double eps,
-    bool decoupled) {
+    bool decoupled,
+    std::optional<at::ScalarType> copy_dtype) {
   check_adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr);
   // As torch.optim.Adam(W)(fused=True): the count first (every check above passed), then ATen's fused
   // kernel, which reads it. A narrower gradient is widened first: the kernel takes one dtype.
@@ -80,6 +81,9 @@ void adam_step_(
     at::_fused_adam_(
         {param}, {grad}, {exp_avg}, {exp_avg_sq}, {}, {step}, lr, beta1, beta2, weight_decay, eps,
         /*amsgrad=*/false, /*maximize=*/false);
+  }
+  if (copy_dtype) {
+    keep_stepped_cast(param, param.to(*copy_dtype, /*non_blocking=*/false, /*copy=*/true));
   }
 }
 

@@ -349,13 +349,15 @@ void adam_step_autograd(
     double beta2,
     double weight_decay,
     double eps,
-    bool decoupled) {
+    bool decoupled,
+    std::optional<at::ScalarType> copy_dtype) {
   static auto handle = op<void(
       at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
-      double, double, bool)>("linnet::adam_step_");
+      double, double, bool, std::optional<at::ScalarType>)>("linnet::adam_step_");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    handle.call(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled);
+    handle.call(
+        param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled, copy_dtype);
   }
   for (at::Tensor* changed : {&param, &exp_avg, &exp_avg_sq, &step}) {
     torch::autograd::increment_version(*changed);

@@ -163,6 +163,9 @@ at::Tensor cast_into_sink(const at::Tensor& part, const at::Tensor& sink, at::Sc
       sink.scalar_type(),
       " on ",
       sink.device());
+  if (std::optional<at::Tensor> stepped = take_stepped_cast(part, dtype)) {
+    return *std::move(stepped);  // made by the part's step, which the part has not changed since
+  }
   return std::get<0>(all_gather(part, dtype, 1, "", copy));
 }
 

@@ -1,12 +1,14 @@
 // The Python module linnet._C. Loading it registers Linnet's ops with the
 // dispatcher (the static initialisers of the other files in csrc/); the module
-// itself binds what crosses into Python at setup time: the flat layout.
+// itself binds what crosses into Python at setup time, the flat layout, and
+// the count of the casts that Adam's steps keep (csrc/stepped_casts.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <sstream>
 
 #include "flat_layout.h"
+#include "ops.h"
 
 namespace py = pybind11;
 
@@ -47,4 +49,13 @@ PYBIND11_MODULE(_C, m) {
       py::arg("world"),
       "Lays out tensors of `numels` elements one after another, each starting at a "
       "multiple of `align` elements, padded to split into `world` equal parts.");
+
+  m.def(
+      "stepped_casts_kept",
+      &linnet::stepped_casts_kept,
+      "How many casts of stepped parts are kept for the next cast of their part (adam_step_'s copy_dtype).");
+  m.def(
+      "drop_stepped_casts",
+      &linnet::drop_stepped_casts,
+      "Drops every kept cast of a stepped part: the next cast of each part casts it.");
 }

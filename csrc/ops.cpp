@@ -142,11 +142,12 @@ TORCH_LIBRARY(linnet, m) {
       torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::softmax_cross_entropy_),
       tags);
   // Adam's step of one parameter, in place, for a backward to take where the
-  // gradient arrives (the lr a tensor, so that a schedule changes no graph).
+  // gradient arrives (the lr a tensor, so that a schedule changes no graph);
+  // with copy_dtype, the parameter's cast kept for its next cast (csrc/ops.h).
   m.def(
       "adam_step_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!) step, "
       "Tensor gradient, Tensor lr, float beta1, float beta2, float weight_decay, float eps, "
-      "bool decoupled=True) -> ()",
+      "bool decoupled=True, ScalarType? copy_dtype=None) -> ()",
       torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linnet::adam_step_),
       tags);
 }

@@ -86,6 +86,8 @@ std::vector<at::Tensor> group_views(
 // gradient may be narrower than the parameter (a bf16 gradient of an f32
 // part): it is read as the parameter's dtype. This body takes ATen's fused
 // kernel on any device; CUDA has its own for f32 parts (csrc/cuda/adam_step.cu).
+// With `copy_dtype`, the stepped parameter is also cast to it and kept for the
+// next cast of the parameter to take (keep_stepped_cast).
 void adam_step_(
     at::Tensor& param,
     at::Tensor& exp_avg,
@@ -97,7 +99,18 @@ void adam_step_(
     double beta2,
     double weight_decay,
     double eps,
-    bool decoupled);
+    bool decoupled,
+    std::optional<at::ScalarType> copy_dtype);
+
+// The casts Adam's step makes of the parts it steps (csrc/stepped_casts.cpp):
+// kept, one a part, from the step until the next cast of that part takes it
+// (cast_into_sink), which finds none where the part changed since.
+// keep_stepped_cast is called by a step's device body, below autograd, whose
+// autograd kernel then counts the part's new version.
+void keep_stepped_cast(const at::Tensor& param, at::Tensor cast);
+std::optional<at::Tensor> take_stepped_cast(const at::Tensor& part, at::ScalarType dtype);
+int64_t stepped_casts_kept();
+void drop_stepped_casts();
 
 // The checks of adam_step_'s arguments, which every device's body makes first.
 void check_adam_step(

@@ -93,3 +93,27 @@ def test_a_bf16_parameter_takes_atens_kernel():
     reference = stepped_by_torch(param, gradients, torch.optim.AdamW, 0.1)
     for got, expected in zip(mine, reference):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("numel, offset", [(4099, 0), ((1 << 20) + 3, 0), (4096, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cast_the_step_writes_is_the_cast_of_the_stepped_part(numel, offset, dtype):
+    """adam_step(..., copy_dtype): the kernel writes the stepped part's cast, which the part's next cast
+    (cast_into_sink, Linnet's cast kernel otherwise) returns: the same values, to the bit, as that kernel
+    casts, in the vectors, the tail and an unaligned part; and the step is the same as without it."""
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    param = placed(torch.randn(numel, device="cuda", generator=generator), offset)
+    exp_avg, exp_avg_sq = placed(torch.zeros(numel, device="cuda"), offset), placed(torch.zeros(numel, device="cuda"), offset)
+    gradient = placed(torch.randn(numel, device="cuda", generator=generator).bfloat16(), offset)
+    step, lr = torch.zeros((), device="cuda"), torch.tensor(1e-2, dtype=torch.float64)
+    plain = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    ops.drop_stepped_casts()
+    ops.adam_step(*plain, step.clone(), gradient, lr, 0.9, 0.99, 0.1, 1e-8)
+    ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.1, 1e-8, copy_dtype=dtype)
+    for got, expected in zip((param, exp_avg, exp_avg_sq), plain):
+        assert torch.equal(got, expected)
+    assert ops.stepped_casts_kept() == 1
+    sink = torch.zeros((), dtype=dtype, device="cuda").expand(numel)
+    taken = ops.cast_into_sink(param, sink, dtype)
+    assert ops.stepped_casts_kept() == 0
+    assert torch.equal(taken, ops.cast_into_sink(param, sink, dtype))  # the second: Linnet's cast kernel

@@ -111,22 +111,23 @@ def test_only_plain_adam_steps_a_sharded_model_in_the_backward():
     assert "gradient hook" in supported(sharded, torch.optim.AdamW([param]))
 
 
-def sharded(card, compile: str | None = None, dtype: str = "f32", recompute: str = "gather"):
+def sharded(card, compile: str | None = None, dtype: str = "f32", recompute: str = "gather",
+            reshard_after_forward: bool = True):
     """The card with random weights, sharded over the default group (each caller runs in its rank)."""
     from linnet.torch import fully_shard
 
     model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": dtype}, device="cpu",
                       cast_dtype=True, trainable=True, weights="random", seed=0, compile=compile, entry="loss_packed")
-    return fully_shard(model, recompute=recompute)
+    return fully_shard(model, recompute=recompute, reshard_after_forward=reshard_after_forward)
 
 
 def training(rank: int, world: int, card, compile: str | None, in_backward: bool, optimizer_kind=torch.optim.AdamW,
-             dtype: str = "f32"):
+             dtype: str = "f32", reshard_after_forward: bool = True):
     """STEPS of linnet.train, sharded over `world` ranks: the losses, the parts, the optimizer's state."""
     from linnet.train import train
 
     torch.set_num_threads(1)  # the same sums in the same order, run to run
-    model = sharded(card, compile, dtype)
+    model = sharded(card, compile, dtype, reshard_after_forward=reshard_after_forward)
     optimizer = optimizer_kind(list(model.parameters()), lr=3e-3, weight_decay=0.1, eps=1e-6, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))  # the lr changes each step
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, schedule=schedule,
@@ -325,3 +326,76 @@ def test_a_changed_setting_compiles_the_step_again(card):
     after, within = (run(settings_changed, 1, card, in_backward, timeout=600)[0] for in_backward in (False, True))
     for mine, theirs in zip(within, after):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def test_the_op_keeps_the_stepped_cast_until_the_parts_next_cast():
+    """adam_step(..., copy_dtype=bf16) keeps the stepped part's cast; the next cast_into_sink of the part
+    takes it (the values of a cast of the stepped part) and keeps it no longer; a part changed after its
+    step, or a cast to another dtype, finds none and casts what the part holds."""
+    ops.drop_stepped_casts()
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    part, exp_avg, exp_avg_sq, step = torch.randn(40), torch.zeros(40), torch.zeros(40), torch.zeros(())
+    gradient = torch.randn(40).bfloat16()
+    sink = torch.zeros((), dtype=torch.bfloat16).expand(40)
+    ops.adam_step(part, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.0, 1e-8, copy_dtype=torch.bfloat16)
+    assert ops.stepped_casts_kept() == 1
+    taken = ops.cast_into_sink(part, sink, torch.bfloat16)
+    assert torch.equal(taken, part.bfloat16()) and ops.stepped_casts_kept() == 0
+    assert taken.data_ptr() != part.data_ptr()
+
+    ops.adam_step(part, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.0, 1e-8, copy_dtype=torch.bfloat16)
+    with torch.no_grad():
+        part.add_(1.0)  # a change after the step: its cast is stale
+    assert torch.equal(ops.cast_into_sink(part, sink, torch.bfloat16), part.bfloat16())
+    assert ops.stepped_casts_kept() == 0
+
+    ops.adam_step(part, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.0, 1e-8, copy_dtype=torch.bfloat16)
+    half = torch.zeros((), dtype=torch.float16).expand(40)
+    assert torch.equal(ops.cast_into_sink(part, half, torch.float16), part.half())
+    assert ops.stepped_casts_kept() == 0
+
+
+def kept_casts(rank: int, world: int, card, compile: str | None, reshard_after_forward: bool) -> list[tuple]:
+    """Three steps inside stepping_in_backward, bf16: (casts kept after the forward, after the backward), each
+    step; then, a part changed in place after its step, the loss of a fourth forward, and of the same forward
+    again, which finds no kept cast (the first took or dropped them all)."""
+    torch.set_num_threads(1)
+    ops.drop_stepped_casts()
+    model = sharded(card, compile, "bf16", reshard_after_forward=reshard_after_forward)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2, fused=True)
+    inputs = [[torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
+              for row in rows(world)]
+    counts = []
+    with stepping_in_backward(model, optimizer):
+        for step in range(3):
+            loss = model.loss_packed(*inputs[step])
+            forward = ops.stepped_casts_kept()
+            loss.backward()
+            counts.append((forward, ops.stepped_casts_kept()))
+        with torch.no_grad():
+            model.params[next(iter(model.params))].add_(0.25)  # the table, changed after its step
+        changed = float(model.loss_packed(*inputs[3]))  # (a forward that steps: one without a gradient casts none)
+        again = float(model.loss_packed(*inputs[3]))
+    return counts, changed, again, len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_on_one_rank_with_kept_casts_each_step_casts_its_part_for_the_next_forward(card, compile):
+    """With reshard_after_forward=False, on one rank, Adam's step writes each part's cast and the next
+    forward takes it rather than cast the part (linnet/torch/shard.py, `_casts_from_the_step`): after a
+    backward one cast is kept a part, after the next forward none; a part changed after its step is cast
+    again (its forward's loss is that of a forward that finds no kept cast). Training so equals stepping
+    after the backward, to the bit."""
+    counts, changed, again, parts = run(kept_casts, 1, card, compile, False)[0]
+    assert counts == [(0, parts)] * 3
+    assert changed == again
+    after, within = (run(training, 1, card, compile, in_backward, torch.optim.AdamW, "bf16", False)[0]
+                     for in_backward in (False, True))
+    assert_same_training(within, after)
+
+
+def test_where_the_layers_let_their_casts_go_the_step_keeps_none(card):
+    """With reshard_after_forward (the default) the backward frees a layer's activations as the steps
+    go, and their casts would pile up instead: none is kept."""
+    counts, _, _, _ = run(kept_casts, 1, card, None, True)[0]
+    assert counts == [(0, 0)] * 3

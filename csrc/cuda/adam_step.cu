@@ -5,12 +5,16 @@
 // the same arithmetic through multi_tensor_apply, whose launches of a few
 // hundred blocks reach about 2.8-3.5 TB/s of an H200's 4.8 on one large part
 // (benchmarks/adam_bench.py); this kernel strides one grid over the part.
+// Asked for a copy, it also writes the stepped part cast to bf16 or f16 (two
+// bytes more a parameter), which the next forward takes for the part's cast
+// (csrc/stepped_casts.cpp).
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../ops.h"
 #include "vector.cuh"
@@ -63,40 +67,47 @@ struct Update {
   }
 };
 
-// Elements [begin, n) one at a time, over the whole grid.
-template <typename Grad, bool kDecoupled>
+// Elements [begin, n) one at a time, over the whole grid; the copy, where there is one, cast from each.
+template <typename Grad, typename Copy, bool kDecoupled>
 __device__ void elementwise(
     const Update<kDecoupled>& update,
     float* param,
     float* exp_avg,
     float* exp_avg_sq,
     const Grad* grad,
+    Copy* copy,
     int64_t begin,
     int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = begin + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
     update(param[i], exp_avg[i], exp_avg_sq[i], static_cast<float>(grad[i]));
+    if (copy != nullptr) {
+      copy[i] = static_cast<Copy>(param[i]);
+    }
   }
 }
 
 // `vectorised`: every pointer is aligned for kWidth elements, so each thread loads and stores kWidth of
-// each tensor at a time, and the last n % kWidth elements go one at a time.
-template <typename Grad, bool kDecoupled>
+// each tensor at a time, and the last n % kWidth elements go one at a time. `copy`: null, or where the
+// stepped part is written cast to Copy.
+template <typename Grad, typename Copy, bool kDecoupled>
 __global__ void __launch_bounds__(kThreads) adam_kernel(
     float* __restrict__ param,
     float* __restrict__ exp_avg,
     float* __restrict__ exp_avg_sq,
     const Grad* __restrict__ grad,
+    Copy* __restrict__ copy,
     int64_t n,
     Settings settings,
     bool vectorised) {
   const Update<kDecoupled> update(settings);
   if (!vectorised) {
-    elementwise(update, param, exp_avg, exp_avg_sq, grad, 0, n);
+    elementwise(update, param, exp_avg, exp_avg_sq, grad, copy, 0, n);
     return;
   }
   using Floats = Vector<float, kWidth>;
   using Grads = Vector<Grad, kWidth>;
+  using Copies = Vector<Copy, kWidth>;
   const int64_t chunks = n / kWidth;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; chunk < chunks;
@@ -112,29 +123,39 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(
     reinterpret_cast<Floats*>(param)[chunk] = p;
     reinterpret_cast<Floats*>(exp_avg)[chunk] = m;
     reinterpret_cast<Floats*>(exp_avg_sq)[chunk] = v;
+    if (copy != nullptr) {
+      Copies c;
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) {
+        c.values[j] = static_cast<Copy>(p.values[j]);  // rounded as the cast kernel rounds (to nearest even)
+      }
+      reinterpret_cast<Copies*>(copy)[chunk] = c;
+    }
   }
-  elementwise(update, param, exp_avg, exp_avg_sq, grad, chunks * kWidth, n);
+  elementwise(update, param, exp_avg, exp_avg_sq, grad, copy, chunks * kWidth, n);
 }
 
-template <typename Grad, bool kDecoupled>
+template <typename Grad, typename Copy, bool kDecoupled>
 void launch(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& grad,
-            const Settings& settings) {
+            Copy* copy, const Settings& settings) {
   float* p = param.mutable_data_ptr<float>();
   float* m = exp_avg.mutable_data_ptr<float>();
   float* v = exp_avg_sq.mutable_data_ptr<float>();
   const Grad* g = grad.const_data_ptr<Grad>();
   const bool vectorised = aligned(p, sizeof(float) * kWidth) && aligned(m, sizeof(float) * kWidth) &&
-      aligned(v, sizeof(float) * kWidth) && aligned(g, sizeof(Grad) * kWidth);
+      aligned(v, sizeof(float) * kWidth) && aligned(g, sizeof(Grad) * kWidth) &&
+      (copy == nullptr || aligned(copy, sizeof(Copy) * kWidth));
   const int64_t n = param.numel();
   const int64_t threads_wanted = vectorised ? std::max<int64_t>(n / kWidth, 1) : n;
   // As many blocks as the SMs hold at once, no more (one wave): the grid strides over the rest.
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, adam_kernel<Grad, kDecoupled>, kThreads, 0));
+  C10_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, adam_kernel<Grad, Copy, kDecoupled>, kThreads, 0));
   const int64_t resident =
       static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * std::max(per_sm, 1);
   const int64_t blocks = std::min((threads_wanted + kThreads - 1) / kThreads, resident);
-  adam_kernel<Grad, kDecoupled><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      p, m, v, g, n, settings, vectorised);
+  adam_kernel<Grad, Copy, kDecoupled><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      p, m, v, g, copy, n, settings, vectorised);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -149,11 +170,12 @@ void adam_step_cuda(
     double beta2,
     double weight_decay,
     double eps,
-    bool decoupled) {
+    bool decoupled,
+    std::optional<at::ScalarType> copy_dtype) {
   const bool own = param.scalar_type() == at::kFloat && param.is_contiguous() && exp_avg.is_contiguous() &&
-      exp_avg_sq.is_contiguous();
-  if (!own) {  // another dtype or layout: ATen's fused kernel, through the device-generic body
-    adam_step_(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled);
+      exp_avg_sq.is_contiguous() && (!copy_dtype || *copy_dtype == at::kBFloat16 || *copy_dtype == at::kHalf);
+  if (!own) {  // another dtype, layout or copy: ATen's fused kernel, through the device-generic body
+    adam_step_(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled, copy_dtype);
     return;
   }
   check_adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr);
@@ -172,13 +194,31 @@ void adam_step_cuda(
     lr_on_device = lr.to(at::kFloat);
     settings.lr_on_device = lr_on_device.const_data_ptr<float>();
   }
+  at::Tensor copy;
+  if (copy_dtype) {
+    copy = at::empty_like(param, param.options().dtype(*copy_dtype));
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "adam_step_", [&] {
-    if (decoupled) {
-      launch<scalar_t, true>(param, exp_avg, exp_avg_sq, grad, settings);
+    using Grad = scalar_t;
+    auto with_copy = [&](auto* copy_data) {
+      using Copy = std::remove_pointer_t<decltype(copy_data)>;
+      if (decoupled) {
+        launch<Grad, Copy, true>(param, exp_avg, exp_avg_sq, grad, copy_data, settings);
+      } else {
+        launch<Grad, Copy, false>(param, exp_avg, exp_avg_sq, grad, copy_data, settings);
+      }
+    };
+    if (!copy_dtype) {
+      with_copy(static_cast<c10::BFloat16*>(nullptr));
+    } else if (*copy_dtype == at::kBFloat16) {
+      with_copy(copy.mutable_data_ptr<c10::BFloat16>());
     } else {
-      launch<scalar_t, false>(param, exp_avg, exp_avg_sq, grad, settings);
+      with_copy(copy.mutable_data_ptr<c10::Half>());
     }
   });
+  if (copy_dtype) {
+    keep_stepped_cast(param, std::move(copy));
+  }
 }
 
 }  // namespace

@@ -107,12 +107,25 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
 
 def adam_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor,
               gradient: torch.Tensor, lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float, eps: float,
-              decoupled: bool = True) -> None:
+              decoupled: bool = True, copy_dtype: torch.dtype | None = None) -> None:
     """Adam's step of `param` from `gradient`, in place, with its moments and its count (`step`, a 0-d f32
     tensor on param's device, counted up first) and the learning rate `lr` (a 0-d tensor on the host, f64 to
     step as a float rate does, or on param's device): AdamW's weight decay where `decoupled`, Adam's
-    otherwise; as torch.optim.Adam(W)(fused=True) steps."""
-    _ops.adam_step_(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled)
+    otherwise; as torch.optim.Adam(W)(fused=True) steps. copy_dtype: the stepped `param` is also cast to it
+    (on CUDA, by the same kernel) and kept until the next `cast_into_sink` of `param` takes it in place of
+    casting, unless `param` changes first (`stepped_casts_kept`)."""
+    _ops.adam_step_(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled,
+                    copy_dtype)
+
+
+def stepped_casts_kept() -> int:
+    """How many casts made by `adam_step(..., copy_dtype=...)` wait for the next cast of their part."""
+    return _C.stepped_casts_kept()
+
+
+def drop_stepped_casts() -> None:
+    """Drops every cast that `adam_step` kept: the next cast of each part casts it."""
+    _C.drop_stepped_casts()
 
 
 def linear_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
@@ -182,7 +195,8 @@ def _(tensor):
 
 
 @torch.library.register_fake("linnet::adam_step_")
-def _(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled=True):
+def _(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled=True,
+      copy_dtype=None):
     return None
 
 

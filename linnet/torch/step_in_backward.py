@@ -104,16 +104,17 @@ class _StepInBackward(torch.autograd.Function):
     the parameter and goes no further."""
 
     @staticmethod
-    def forward(ctx, through, anchor, param, exp_avg, exp_avg_sq, step, lr, settings):
+    def forward(ctx, through, anchor, param, exp_avg, exp_avg_sq, step, lr, settings, cast_dtype):
         ctx.save_for_backward(through if param is None else param, exp_avg, exp_avg_sq, step, lr)
-        ctx.settings = settings
+        ctx.settings, ctx.cast_dtype = settings, cast_dtype
         return through.view_as(through)
 
     @staticmethod
     def backward(ctx, gradient):
         param, exp_avg, exp_avg_sq, step, lr = ctx.saved_tensors
-        ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr.view(()), *ctx.settings)
-        return None, None, None, None, None, None, None, None
+        ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr.view(()), *ctx.settings,
+                      copy_dtype=ctx.cast_dtype)
+        return None, None, None, None, None, None, None, None, None
 
 
 class Stepped(NamedTuple):
@@ -123,18 +124,19 @@ class Stepped(NamedTuple):
     state: PartState
 
 
-def taken(part, through: torch.Tensor | None = None):
+def taken(part, through: torch.Tensor | None = None, cast_dtype: torch.dtype | None = None):
     """The part as the code uses it: a Stepped one through the step in the backward. Made where the part is
     first used (the sharded code's bindings call this: linnet/torch/shard.py), so that autograd, which runs
     the nodes made last first, reaches the step as soon as the gradient is complete, not at the end.
     through: what the part's gradient arrives by instead (on one rank, the sink its cast's gradient goes to:
-    shard.py's `_take`), which steps the part as it is (Adam's step widens a narrower one as it reads it)."""
+    shard.py's `_take`), which steps the part as it is (Adam's step widens a narrower one as it reads it).
+    cast_dtype: the step also casts the stepped part to it, for the next forward's cast to take (`ops.adam_step`)."""
     if not isinstance(part, Stepped):
         return part
     state = part.state
     param = None if through is None else part.part  # one tensor is never passed twice (dynamo refuses it)
     return _StepInBackward.apply(part.part if through is None else through, state.anchor, param, state.exp_avg,
-                                 state.exp_avg_sq, state.step, state.lr, state.settings)
+                                 state.exp_avg_sq, state.step, state.lr, state.settings, cast_dtype)
 
 
 def with_steps(params, states):
