@@ -130,7 +130,9 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     rank, cast again). False: they are kept from the forward to the backward,
     under every recompute policy: a gather (or cast) less a layer, for the
     layers' weights in the compute dtype, over this group's ranks, more memory
-    where the backward starts (1B on one rank: about 1.8 GiB).
+    where the backward starts (1B on one rank: about 1.8 GiB). On one rank,
+    stepping in the backward, Adam's step then also writes each part's cast
+    for the next forward, which casts nothing (`_casts_from_the_step`).
     prefetch: how many layers' gathers run ahead of the layer computing (0: each
     gather is launched where it is waited for).
     reduce_dtype: the dtype gradients are reduce-scattered in: float32 (as
