@@ -5,7 +5,9 @@
 // the cast as well for two bytes a parameter (adam_step_'s copy_dtype). It is
 // kept here, one per part, until the next cast of that part takes it in place
 // of casting; a part changed since (its version moved on: a checkpoint read
-// into it, or any write) or a cast of another dtype finds none and casts.
+// into it, or any write) or a cast of another dtype finds none and casts. A
+// write through `.data`, which no version counts (autograd does not see it
+// either), is not seen: write parts in place under torch.no_grad() instead.
 //
 // What is kept is one cast a stepped part, from its step to the next forward
 // that reaches the part; the step in the backward asks for it only where that

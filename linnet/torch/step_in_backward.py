@@ -17,7 +17,10 @@ where the entry starts: autograd runs the nodes made last first, so a node
 made first would run once the whole backward was done. Compiled, the step is
 in the backward graph, and a gradient lives from its reduction to its step.
 On one rank a layer's gradient has no reduction: it reaches the step in the
-compute dtype, as the layer's products made it (shard.py's `_take`).
+compute dtype, as the layer's products made it (shard.py's `_take`); where the
+layers keep their casts (reshard_after_forward=False), the step also writes the
+part's cast, which the next forward takes rather than cast the part again
+(shard.py's `_casts_from_the_step`, csrc/stepped_casts.cpp).
 
     with stepping_in_backward(model, optimizer):
         loss = model.loss_packed(...)
