@@ -65,16 +65,19 @@ def test_sharded_training_over_nccl_equals_unsharded(nccl_world_of_one, compile)
 
 
 @pytest.mark.parametrize("compile", [None, "inductor"])
-def test_the_step_in_the_backward_equals_the_step_after_on_the_gpu(nccl_world_of_one, compile):
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_the_step_in_the_backward_equals_the_step_after_on_the_gpu(nccl_world_of_one, compile, reshard_after_forward):
     """In bf16, with fused AdamW (a host lr tensor read by the CUDA kernel) and an lr that changes each step:
-    the parts as the step after the backward leaves them."""
+    the parts as the step after the backward leaves them. With reshard_after_forward=False the step also
+    writes each part's cast, which the next forward takes (linnet/torch/shard.py, `_casts_from_the_step`)."""
     from linnet.torch import fully_shard
     from linnet.train import train
 
     results = []
     for in_backward in (False, True):
         model = fully_shard(nest.load("tiny-llama", device="cuda", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"},
-                                      cast_dtype=True, trainable=True, weights="random", entry="loss_packed", compile=compile))
+                                      cast_dtype=True, trainable=True, weights="random", entry="loss_packed", compile=compile),
+                            reshard_after_forward=reshard_after_forward)
         optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
         history = train(model, iter(rows(4)), optimizer=optimizer, steps=4, schedule=schedule, on_step=lambda s: None,
