@@ -351,6 +351,10 @@ void adam_step_autograd(
     double eps,
     bool decoupled,
     std::optional<at::ScalarType> copy_dtype) {
+  TORCH_CHECK(
+      !copy_dtype || at::isFloatingType(*copy_dtype),
+      "adam_step_: copy_dtype must be a floating dtype (the compute dtype), got ",
+      *copy_dtype);
   static auto handle = op<void(
       at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
       double, double, bool, std::optional<at::ScalarType>)>("linnet::adam_step_");
@@ -361,6 +365,9 @@ void adam_step_autograd(
   }
   for (at::Tensor* changed : {&param, &exp_avg, &exp_avg_sq, &step}) {
     torch::autograd::increment_version(*changed);
+  }
+  if (copy_dtype) {
+    confirm_stepped_cast(param);  // its cast is taken only at this version
   }
 }
 

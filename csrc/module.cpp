@@ -4,6 +4,7 @@
 // the count of the casts that Adam's steps keep (csrc/stepped_casts.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <sstream>
 
@@ -57,5 +58,6 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "drop_stepped_casts",
       &linnet::drop_stepped_casts,
-      "Drops every kept cast of a stepped part: the next cast of each part casts it.");
+      py::arg("parts"),
+      "Drops the kept casts of `parts` (a list of tensors): the next cast of each casts it.");
 }

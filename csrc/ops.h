@@ -105,12 +105,15 @@ void adam_step_(
 // The casts Adam's step makes of the parts it steps (csrc/stepped_casts.cpp):
 // kept, one a part, from the step until the next cast of that part takes it
 // (cast_into_sink), which finds none where the part changed since.
-// keep_stepped_cast is called by a step's device body, below autograd, whose
-// autograd kernel then counts the part's new version.
+// keep_stepped_cast is called by a step's device body, below autograd;
+// confirm_stepped_cast by its autograd kernel once it has counted the part's
+// new version: only a confirmed cast is taken.
 void keep_stepped_cast(const at::Tensor& param, at::Tensor cast);
+void confirm_stepped_cast(const at::Tensor& param);
 std::optional<at::Tensor> take_stepped_cast(const at::Tensor& part, at::ScalarType dtype);
 int64_t stepped_casts_kept();
-void drop_stepped_casts();
+// Drops the casts kept for `parts` (and for parts that no longer exist).
+void drop_stepped_casts(const std::vector<at::Tensor>& parts);
 
 // The checks of adam_step_'s arguments, which every device's body makes first.
 void check_adam_step(

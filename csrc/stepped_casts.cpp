@@ -9,9 +9,13 @@
 // write through `.data`, which no version counts (autograd does not see it
 // either), is not seen: write parts in place under torch.no_grad() instead.
 //
-// What is kept is one cast a stepped part, from its step to the next forward
-// that reaches the part; the step in the backward asks for it only where that
-// costs no memory at the step's peak (linnet/torch/shard.py, `_take`).
+// A cast is kept once the step's autograd kernel has counted the part's new
+// version (confirm_stepped_cast): a step made below autograd (under
+// inference_mode, say) counts none, and its cast is never taken. What is kept
+// is one cast a stepped part, until the part's next cast takes it or the
+// stepping ends (linnet/torch/step_in_backward.py drops its model's); the step
+// in the backward asks for casts only where they cost no memory at the step's
+// peak (linnet/torch/shard.py, `_casts_from_the_step`).
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
@@ -19,6 +23,7 @@
 
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "ops.h"
 
@@ -28,71 +33,113 @@ namespace {
 struct Kept {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the part's: where it lies
   int64_t offset;
-  int64_t numel;
-  uint32_t version;  // the part's version once its step has counted it (csrc/autograd.cpp)
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  at::ScalarType dtype;  // the part's
+  uint32_t version;  // once confirmed: the part's version after its step counted it
+  bool confirmed;
   at::Tensor cast;
 };
 
-// The backward steps on autograd's device threads while a forward may cast on another.
-std::mutex mutex;
-std::unordered_map<const c10::StorageImpl*, Kept> kept;
+struct Kept_casts {
+  std::mutex mutex;  // the backward steps on autograd's device threads while a forward may cast on another
+  std::unordered_map<const c10::StorageImpl*, Kept> by_storage;
+};
+
+// Never destroyed: it may hold CUDA tensors, which must not outlive the allocator at exit.
+Kept_casts& kept() {
+  static auto* casts = new Kept_casts();
+  return *casts;
+}
 
 uint32_t version_of(const at::Tensor& part) {
   return torch::autograd::impl::version_counter(part).current_version();
 }
 
+const c10::StorageImpl* storage_of(const at::Tensor& part) {
+  return part.storage().unsafeGetStorageImpl();
+}
+
+// Whether `entry` was kept for this very tensor: the same elements of the same storage, as the same dtype.
+bool kept_for(const Kept& entry, const at::Tensor& part) {
+  return !entry.storage.expired() && entry.offset == part.storage_offset() && part.sizes() == entry.sizes &&
+      part.strides() == entry.strides && part.scalar_type() == entry.dtype;
+}
+
 // Forgets the casts of parts that no longer exist, which no cast will take.
-void forget_the_gone() {
-  for (auto it = kept.begin(); it != kept.end();) {
-    it = it->second.storage.expired() ? kept.erase(it) : std::next(it);
+void forget_the_gone(std::unordered_map<const c10::StorageImpl*, Kept>& by_storage) {
+  for (auto it = by_storage.begin(); it != by_storage.end();) {
+    it = it->second.storage.expired() ? by_storage.erase(it) : std::next(it);
   }
 }
 
 }  // namespace
 
 void keep_stepped_cast(const at::Tensor& param, at::Tensor cast) {
-  if (param.is_inference()) {  // no version to tell a change by
+  if (param.is_inference() || !param.has_storage()) {  // no version to tell a change by
     return;
   }
-  const c10::StorageImpl* where = param.storage().unsafeGetStorageImpl();
-  // Called from below autograd (the step's device body): its autograd kernel counts the new version after.
   Kept entry{
       c10::weak_intrusive_ptr<c10::StorageImpl>(param.storage().getWeakStorageImpl()),
       param.storage_offset(),
-      param.numel(),
-      version_of(param) + 1,
+      param.sizes().vec(),
+      param.strides().vec(),
+      param.scalar_type(),
+      0,
+      false,
       std::move(cast)};
-  std::lock_guard<std::mutex> lock(mutex);
-  forget_the_gone();
-  kept.insert_or_assign(where, std::move(entry));
+  Kept_casts& casts = kept();
+  std::lock_guard<std::mutex> lock(casts.mutex);
+  forget_the_gone(casts.by_storage);
+  casts.by_storage.insert_or_assign(storage_of(param), std::move(entry));
+}
+
+void confirm_stepped_cast(const at::Tensor& param) {
+  if (param.is_inference() || !param.has_storage()) {
+    return;
+  }
+  Kept_casts& casts = kept();
+  std::lock_guard<std::mutex> lock(casts.mutex);
+  auto it = casts.by_storage.find(storage_of(param));
+  if (it != casts.by_storage.end() && !it->second.confirmed && kept_for(it->second, param)) {
+    it->second.version = version_of(param);
+    it->second.confirmed = true;
+  }
 }
 
 std::optional<at::Tensor> take_stepped_cast(const at::Tensor& part, at::ScalarType dtype) {
   if (part.is_inference() || !part.has_storage()) {
     return std::nullopt;
   }
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = kept.find(part.storage().unsafeGetStorageImpl());
-  if (it == kept.end()) {
+  Kept_casts& casts = kept();
+  std::lock_guard<std::mutex> lock(casts.mutex);
+  auto it = casts.by_storage.find(storage_of(part));
+  if (it == casts.by_storage.end()) {
     return std::nullopt;
   }
   Kept entry = std::move(it->second);
-  kept.erase(it);  // taken or stale, it is not kept for another cast
-  const bool same = !entry.storage.expired() && entry.offset == part.storage_offset() &&
-      entry.numel == part.numel() && part.dim() == 1 && entry.version == version_of(part) &&
+  casts.by_storage.erase(it);  // taken or stale, it is not kept for another cast
+  const bool same = entry.confirmed && kept_for(entry, part) && entry.version == version_of(part) &&
       entry.cast.scalar_type() == dtype;
   return same ? std::optional<at::Tensor>(std::move(entry.cast)) : std::nullopt;
 }
 
 int64_t stepped_casts_kept() {
-  std::lock_guard<std::mutex> lock(mutex);
-  forget_the_gone();
-  return static_cast<int64_t>(kept.size());
+  Kept_casts& casts = kept();
+  std::lock_guard<std::mutex> lock(casts.mutex);
+  forget_the_gone(casts.by_storage);
+  return static_cast<int64_t>(casts.by_storage.size());
 }
 
-void drop_stepped_casts() {
-  std::lock_guard<std::mutex> lock(mutex);
-  kept.clear();
+void drop_stepped_casts(const std::vector<at::Tensor>& parts) {
+  Kept_casts& casts = kept();
+  std::lock_guard<std::mutex> lock(casts.mutex);
+  for (const at::Tensor& part : parts) {
+    if (part.has_storage()) {
+      casts.by_storage.erase(storage_of(part));
+    }
+  }
+  forget_the_gone(casts.by_storage);
 }
 
 }  // namespace linnet

@@ -34,7 +34,6 @@ from linnet import watchdog
 from linnet.agree import cpu_group, raise_together
 from linnet.history import History, Progress, Step
 from linnet.packing import Example, Row, pack
-from linnet.torch import ops
 from linnet.torch.step_in_backward import stepping_in_backward, supported
 from linnet.torch.replicas import backward_and_step
 
@@ -199,8 +198,6 @@ def train(
     finally:
         if checkpointer is not None:
             checkpointer.close()
-        if not isinstance(stepping, contextlib.nullcontext):
-            ops.drop_stepped_casts()  # the last step's casts (linnet/torch/shard.py): no forward of this run follows
 
 
 def _stepping(model, optimizer: torch.optim.Optimizer, asked: bool | None):

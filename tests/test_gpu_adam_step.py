@@ -100,20 +100,24 @@ def test_a_bf16_parameter_takes_atens_kernel():
 def test_the_cast_the_step_writes_is_the_cast_of_the_stepped_part(numel, offset, dtype):
     """adam_step(..., copy_dtype): the kernel writes the stepped part's cast, which the part's next cast
     (cast_into_sink, Linnet's cast kernel otherwise) returns: the same values, to the bit, as that kernel
-    casts, in the vectors, the tail and an unaligned part; and the step is the same as without it."""
+    casts from the stepped part, in the vectors, the tail and an unaligned part; and the step is the same as
+    without it. (A write through .data after the step, which no version counts, tells the kept cast from a
+    cast made then.)"""
     generator = torch.Generator(device="cuda").manual_seed(4)
     param = placed(torch.randn(numel, device="cuda", generator=generator), offset)
     exp_avg, exp_avg_sq = placed(torch.zeros(numel, device="cuda"), offset), placed(torch.zeros(numel, device="cuda"), offset)
     gradient = placed(torch.randn(numel, device="cuda", generator=generator).bfloat16(), offset)
     step, lr = torch.zeros((), device="cuda"), torch.tensor(1e-2, dtype=torch.float64)
     plain = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
-    ops.drop_stepped_casts()
+    ops.drop_stepped_casts([param])
     ops.adam_step(*plain, step.clone(), gradient, lr, 0.9, 0.99, 0.1, 1e-8)
     ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.1, 1e-8, copy_dtype=dtype)
     for got, expected in zip((param, exp_avg, exp_avg_sq), plain):
         assert torch.equal(got, expected)
     assert ops.stepped_casts_kept() == 1
+    as_stepped = param.clone()
+    param.data.add_(1.0)
     sink = torch.zeros((), dtype=dtype, device="cuda").expand(numel)
     taken = ops.cast_into_sink(param, sink, dtype)
     assert ops.stepped_casts_kept() == 0
-    assert torch.equal(taken, ops.cast_into_sink(param, sink, dtype))  # the second: Linnet's cast kernel
+    assert torch.equal(taken, ops.cast_into_sink(as_stepped, sink, dtype))  # Linnet's cast kernel: none kept for it

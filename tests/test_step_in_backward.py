@@ -330,41 +330,66 @@ def test_a_changed_setting_compiles_the_step_again(card):
 
 def test_the_op_keeps_the_stepped_cast_until_the_parts_next_cast():
     """adam_step(..., copy_dtype=bf16) keeps the stepped part's cast; the next cast_into_sink of the part
-    takes it (the values of a cast of the stepped part) and keeps it no longer; a part changed after its
-    step, or a cast to another dtype, finds none and casts what the part holds."""
-    ops.drop_stepped_casts()
+    takes it (seen where a write through .data, which no version counts, came between: the cast is of the
+    part as stepped) and keeps it no longer. A part changed after its step, another view of its storage, a
+    cast to another dtype, or a step made below autograd (inference_mode, no version counted) finds none,
+    and casts what the part holds."""
     lr = torch.tensor(1e-2, dtype=torch.float64)
-    part, exp_avg, exp_avg_sq, step = torch.randn(40), torch.zeros(40), torch.zeros(40), torch.zeros(())
+    base, exp_avg, exp_avg_sq, step = torch.randn(80), torch.zeros(40), torch.zeros(40), torch.zeros(())
+    part = base[:40]
     gradient = torch.randn(40).bfloat16()
     sink = torch.zeros((), dtype=torch.bfloat16).expand(40)
-    ops.adam_step(part, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.0, 1e-8, copy_dtype=torch.bfloat16)
-    assert ops.stepped_casts_kept() == 1
-    taken = ops.cast_into_sink(part, sink, torch.bfloat16)
-    assert torch.equal(taken, part.bfloat16()) and ops.stepped_casts_kept() == 0
-    assert taken.data_ptr() != part.data_ptr()
 
-    ops.adam_step(part, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.0, 1e-8, copy_dtype=torch.bfloat16)
+    def stepped():
+        ops.adam_step(part, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.0, 1e-8, copy_dtype=torch.bfloat16)
+
+    ops.drop_stepped_casts([part])
+    stepped()
+    assert ops.stepped_casts_kept() == 1
+    as_stepped = part.bfloat16()
+    part.data.add_(1.0)  # unseen by the version: the kept cast is taken, of the part as stepped
+    assert torch.equal(ops.cast_into_sink(part, sink, torch.bfloat16), as_stepped)
+    assert ops.stepped_casts_kept() == 0
+    assert torch.equal(ops.cast_into_sink(part, sink, torch.bfloat16), part.bfloat16())  # none kept: a cast
+
+    stepped()
     with torch.no_grad():
         part.add_(1.0)  # a change after the step: its cast is stale
     assert torch.equal(ops.cast_into_sink(part, sink, torch.bfloat16), part.bfloat16())
     assert ops.stepped_casts_kept() == 0
 
-    ops.adam_step(part, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.0, 1e-8, copy_dtype=torch.bfloat16)
+    stepped()
     half = torch.zeros((), dtype=torch.float16).expand(40)
     assert torch.equal(ops.cast_into_sink(part, half, torch.float16), part.half())
+    stepped()
+    other = base[::2]  # the same storage and size, other elements
+    assert torch.equal(ops.cast_into_sink(other, sink, torch.bfloat16), other.bfloat16())
+
+    with torch.inference_mode():
+        stepped()
+    with torch.no_grad():
+        part.add_(1.0)  # one version on: what an uncounted step's cast would have waited for
+    assert torch.equal(ops.cast_into_sink(part, sink, torch.bfloat16), part.bfloat16())
     assert ops.stepped_casts_kept() == 0
+    with pytest.raises(RuntimeError, match="copy_dtype must be a floating dtype"):
+        ops.adam_step(part, exp_avg, exp_avg_sq, step, gradient, lr, 0.9, 0.99, 0.0, 1e-8, copy_dtype=torch.int32)
 
 
-def kept_casts(rank: int, world: int, card, compile: str | None, reshard_after_forward: bool) -> list[tuple]:
-    """Three steps inside stepping_in_backward, bf16: (casts kept after the forward, after the backward), each
-    step; then, a part changed in place after its step, the loss of a fourth forward, and of the same forward
-    again, which finds no kept cast (the first took or dropped them all)."""
+def kept_casts(rank: int, world: int, card, compile: str | None, reshard_after_forward: bool) -> tuple:
+    """Steps inside stepping_in_backward, bf16 (the table is the first part):
+    - (casts kept after the forward, after the backward), each of three steps;
+    - the loss of a forward after a write through .data into the table, which no version counts, and the
+      loss of the same forward once the table is put back (a forward that takes the kept casts computes
+      with the table as stepped, as the second does);
+    - after another step, the table changed in place: the loss of a forward, and of it again (finding no
+      kept cast: the first took or dropped them all);
+    - after a last step, the casts kept once stepping_in_backward has ended."""
     torch.set_num_threads(1)
-    ops.drop_stepped_casts()
     model = sharded(card, compile, "bf16", reshard_after_forward=reshard_after_forward)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2, fused=True)
     inputs = [[torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
               for row in rows(world)]
+    table = model.params[next(iter(model.params))]
     counts = []
     with stepping_in_backward(model, optimizer):
         for step in range(3):
@@ -372,23 +397,32 @@ def kept_casts(rank: int, world: int, card, compile: str | None, reshard_after_f
             forward = ops.stepped_casts_kept()
             loss.backward()
             counts.append((forward, ops.stepped_casts_kept()))
+        as_stepped = table.detach().clone()
+        table.data.add_(0.25)
+        unseen = float(model.loss_packed(*inputs[3]))  # (a forward that steps: one without a gradient casts none)
+        table.data.copy_(as_stepped)
+        put_back = float(model.loss_packed(*inputs[3]))
+        model.loss_packed(*inputs[3]).backward()
         with torch.no_grad():
-            model.params[next(iter(model.params))].add_(0.25)  # the table, changed after its step
-        changed = float(model.loss_packed(*inputs[3]))  # (a forward that steps: one without a gradient casts none)
+            table.add_(0.25)
+        changed = float(model.loss_packed(*inputs[3]))
         again = float(model.loss_packed(*inputs[3]))
-    return counts, changed, again, len(list(model.parameters()))
+        model.loss_packed(*inputs[3]).backward()
+    return counts, (unseen, put_back), (changed, again), ops.stepped_casts_kept(), len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_on_one_rank_with_kept_casts_each_step_casts_its_part_for_the_next_forward(card, compile):
     """With reshard_after_forward=False, on one rank, Adam's step writes each part's cast and the next
     forward takes it rather than cast the part (linnet/torch/shard.py, `_casts_from_the_step`): after a
-    backward one cast is kept a part, after the next forward none; a part changed after its step is cast
-    again (its forward's loss is that of a forward that finds no kept cast). Training so equals stepping
-    after the backward, to the bit."""
-    counts, changed, again, parts = run(kept_casts, 1, card, compile, False)[0]
+    backward one cast is kept a part, after the next forward none; that forward computes with the parts as
+    stepped; a part changed after its step is cast again; none is kept once the stepping ends. Training so
+    equals stepping after the backward, to the bit."""
+    counts, (unseen, put_back), (changed, again), left, parts = run(kept_casts, 1, card, compile, False)[0]
     assert counts == [(0, parts)] * 3
+    assert unseen == put_back
     assert changed == again
+    assert left == 0
     after, within = (run(training, 1, card, compile, in_backward, torch.optim.AdamW, "bf16", False)[0]
                      for in_backward in (False, True))
     assert_same_training(within, after)
@@ -396,6 +430,7 @@ def test_on_one_rank_with_kept_casts_each_step_casts_its_part_for_the_next_forwa
 
 def test_where_the_layers_let_their_casts_go_the_step_keeps_none(card):
     """With reshard_after_forward (the default) the backward frees a layer's activations as the steps
-    go, and their casts would pile up instead: none is kept."""
-    counts, _, _, _ = run(kept_casts, 1, card, None, True)[0]
+    go, and their casts would pile up instead: none is kept, and the forwards cast what the parts hold."""
+    counts, (unseen, put_back), _, _, _ = run(kept_casts, 1, card, None, True)[0]
     assert counts == [(0, 0)] * 3
+    assert unseen != put_back

@@ -113,7 +113,8 @@ def adam_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tens
     step as a float rate does, or on param's device): AdamW's weight decay where `decoupled`, Adam's
     otherwise; as torch.optim.Adam(W)(fused=True) steps. copy_dtype: the stepped `param` is also cast to it
     (on CUDA, by the same kernel) and kept until the next `cast_into_sink` of `param` takes it in place of
-    casting, unless `param` changes first (`stepped_casts_kept`)."""
+    casting, unless `param` changes first (`stepped_casts_kept`); a step made below autograd (under
+    inference_mode), which counts no new version of `param`, keeps none that a cast would take."""
     _ops.adam_step_(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled,
                     copy_dtype)
 
@@ -123,9 +124,9 @@ def stepped_casts_kept() -> int:
     return _C.stepped_casts_kept()
 
 
-def drop_stepped_casts() -> None:
-    """Drops every cast that `adam_step` kept: the next cast of each part casts it."""
-    _C.drop_stepped_casts()
+def drop_stepped_casts(parts: Sequence[torch.Tensor]) -> None:
+    """Drops the casts that `adam_step` kept for `parts`: the next cast of each casts it."""
+    _C.drop_stepped_casts(list(parts))
 
 
 def linear_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,

@@ -254,3 +254,6 @@ def stepping_in_backward(model, optimizer: torch.optim.Optimizer):
         yield model.stepping
     finally:
         model.stepping = None
+        # The last step's casts of the parts (linnet/torch/shard.py, `_casts_from_the_step`): only a forward
+        # that steps takes them, and none follows here.
+        ops.drop_stepped_casts(list(_leaves(model.params)))
