@@ -20,9 +20,10 @@ import torch
 import linnet.torch.ops as ops
 from common import cuda_seconds
 
-SHAPES = {  # width, the products' output widths (q k v; o; gate up; down), layers, a layer's part
-    "1b": (2048, (3072, 2048, 16384, 2048), 8192, 16, 60_821_504),
-    "3b": (3072, (5120, 3072, 16384, 3072), 8192, 28, 100_669_440),
+SHAPES = {  # width, the products' output widths (q k v; o; gate up; down), the MLP's width, layers, a layer's
+    # part, attention's heads and their width
+    "1b": (2048, (3072, 2048, 16384, 2048), 8192, 16, 60_821_504, 32, 64),
+    "3b": (3072, (5120, 3072, 16384, 3072), 8192, 28, 100_669_440, 24, 128),
 }
 
 
@@ -31,14 +32,13 @@ def main() -> None:
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    width, outs, ffn, layers, size = SHAPES[args.shape]
+    width, outs, ffn, layers, size, heads, head_width = SHAPES[args.shape]
     tokens, dev, bf16 = 4096, "cuda", torch.bfloat16
     x = torch.randn(tokens, width, device=dev, dtype=bf16)
     hidden = torch.randn(tokens, ffn, device=dev, dtype=bf16)
     weights = [torch.randn(out, width if i < 3 else ffn, device=dev, dtype=bf16) for i, out in enumerate(outs)]
     outs_grad = [torch.randn(tokens, out, device=dev, dtype=bf16) for out in outs]
-    q = torch.randn(1, 32 if width == 2048 else 24, tokens, 128 if width == 3072 else 64, device=dev, dtype=bf16,
-                    requires_grad=True)
+    q = torch.randn(1, heads, tokens, head_width, device=dev, dtype=bf16, requires_grad=True)
     attn_out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     attn_grad = torch.randn_like(attn_out)
     parts = [torch.randn(size, device=dev) for _ in range(layers)]

@@ -14,7 +14,8 @@ void check_adam_step(
     const at::Tensor& exp_avg_sq,
     const at::Tensor& step,
     const at::Tensor& gradient,
-    const at::Tensor& lr) {
+    const at::Tensor& lr,
+    std::optional<at::ScalarType> copy_dtype) {
   TORCH_CHECK(
       gradient.sizes() == param.sizes(),
       "adam_step_: the gradient's shape ",
@@ -53,6 +54,10 @@ void check_adam_step(
       lr.dim() == 0 && (lr.is_cpu() || lr.device() == param.device()),
       "adam_step_: lr must be a 0-d tensor on the CPU or on the parameter's device");
   TORCH_CHECK(step.dim() == 0 && step.scalar_type() == at::kFloat, "adam_step_: step must be a 0-d float32 tensor");
+  TORCH_CHECK(
+      !copy_dtype || at::isFloatingType(*copy_dtype),
+      "adam_step_: copy_dtype must be a floating dtype (the compute dtype), got ",
+      *copy_dtype);
 }
 
 void adam_step_(
@@ -68,7 +73,7 @@ void adam_step_(
     double eps,
     bool decoupled,
     std::optional<at::ScalarType> copy_dtype) {
-  check_adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr);
+  check_adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr, copy_dtype);
   // As torch.optim.Adam(W)(fused=True): the count first (every check above passed), then ATen's fused
   // kernel, which reads it. A narrower gradient is widened first: the kernel takes one dtype.
   step.add_(1);

@@ -351,10 +351,6 @@ void adam_step_autograd(
     double eps,
     bool decoupled,
     std::optional<at::ScalarType> copy_dtype) {
-  TORCH_CHECK(
-      !copy_dtype || at::isFloatingType(*copy_dtype),
-      "adam_step_: copy_dtype must be a floating dtype (the compute dtype), got ",
-      *copy_dtype);
   static auto handle = op<void(
       at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
       double, double, bool, std::optional<at::ScalarType>)>("linnet::adam_step_");

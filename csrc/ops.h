@@ -122,7 +122,8 @@ void check_adam_step(
     const at::Tensor& exp_avg_sq,
     const at::Tensor& step,
     const at::Tensor& gradient,
-    const at::Tensor& lr);
+    const at::Tensor& lr,
+    std::optional<at::ScalarType> copy_dtype);
 
 // The target that F.cross_entropy ignores (its default ignore_index): its
 // row's loss and gradient are zero.

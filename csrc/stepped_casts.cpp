@@ -52,6 +52,11 @@ Kept_casts& kept() {
   return *casts;
 }
 
+// Whether a change to `tensor` would be counted: it has storage and a version (not an inference tensor).
+bool versioned(const at::Tensor& tensor) {
+  return !tensor.is_inference() && tensor.has_storage();
+}
+
 uint32_t version_of(const at::Tensor& part) {
   return torch::autograd::impl::version_counter(part).current_version();
 }
@@ -76,7 +81,7 @@ void forget_the_gone(std::unordered_map<const c10::StorageImpl*, Kept>& by_stora
 }  // namespace
 
 void keep_stepped_cast(const at::Tensor& param, at::Tensor cast) {
-  if (param.is_inference() || !param.has_storage()) {  // no version to tell a change by
+  if (!versioned(param)) {  // no version to tell a change by
     return;
   }
   Kept entry{
@@ -95,7 +100,7 @@ void keep_stepped_cast(const at::Tensor& param, at::Tensor cast) {
 }
 
 void confirm_stepped_cast(const at::Tensor& param) {
-  if (param.is_inference() || !param.has_storage()) {
+  if (!versioned(param)) {
     return;
   }
   Kept_casts& casts = kept();
@@ -108,7 +113,7 @@ void confirm_stepped_cast(const at::Tensor& param) {
 }
 
 std::optional<at::Tensor> take_stepped_cast(const at::Tensor& part, at::ScalarType dtype) {
-  if (part.is_inference() || !part.has_storage()) {
+  if (!versioned(part)) {
     return std::nullopt;
   }
   Kept_casts& casts = kept();

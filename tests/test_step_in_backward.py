@@ -41,6 +41,11 @@ def rows(world: int) -> list:
     return list(pack(examples, ROW))[: STEPS * world]
 
 
+def inputs(row) -> list[torch.Tensor]:
+    """A packed row as the loss_packed entry takes it: a batch of one."""
+    return [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
+
+
 @pytest.mark.parametrize("kind, weight_decay", [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.0)])
 def test_the_op_steps_as_fused_adam(kind, weight_decay):
     generator = torch.Generator().manual_seed(0)
@@ -235,18 +240,17 @@ def one_backward(rank: int, world: int, card, compile: str | None):
 
     model = sharded(card, compile)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2)
-    row = rows(world)[rank]
-    inputs = [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
+    row = inputs(rows(world)[rank])
     before = [p.detach().clone() for p in model.parameters()]
     with stepping_in_backward(model, optimizer) as stepping:
         # Each part enters the entry detached: the graph's inputs that its backward changes require no
         # grad (torch 2.11's AOT autograd refuses one that does), and are the parts' own storage.
         entered = zip(tree_leaves(stepping.parts(model.params)), tree_leaves(model.params))
         detached = [not e.requires_grad and e.data_ptr() == p.data_ptr() for e, p in entered]
-        model.loss_packed(*inputs).backward()
+        model.loss_packed(*row).backward()
     stepped = [p.grad is None and not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)]
     before = [p.detach().clone() for p in model.parameters()]
-    model.loss_packed(*inputs).backward()
+    model.loss_packed(*row).backward()
     kept = [p.grad is not None and torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)]
     return stepped, kept, [float(s["step"]) for s in optimizer.state.values()], detached
 
@@ -286,10 +290,9 @@ def backward_ops(rank: int, world: int, card) -> list[str]:
             return func(*args, **(kwargs or {}))
 
     model = sharded(card, recompute="full")
-    row = rows(world)[rank]
-    inputs = [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
+    row = inputs(rows(world)[rank])
     with stepping_in_backward(model, torch.optim.AdamW(list(model.parameters()), lr=1e-2)):
-        loss = model.loss_packed(*inputs)
+        loss = model.loss_packed(*row)
         with Record() as record:
             loss.backward()
     return record.names
@@ -387,27 +390,26 @@ def kept_casts(rank: int, world: int, card, compile: str | None, reshard_after_f
     torch.set_num_threads(1)
     model = sharded(card, compile, "bf16", reshard_after_forward=reshard_after_forward)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2, fused=True)
-    inputs = [[torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
-              for row in rows(world)]
+    batches = [inputs(row) for row in rows(world)]
     table = model.params[next(iter(model.params))]
     counts = []
     with stepping_in_backward(model, optimizer):
         for step in range(3):
-            loss = model.loss_packed(*inputs[step])
+            loss = model.loss_packed(*batches[step])
             forward = ops.stepped_casts_kept()
             loss.backward()
             counts.append((forward, ops.stepped_casts_kept()))
         as_stepped = table.detach().clone()
         table.data.add_(0.25)
-        unseen = float(model.loss_packed(*inputs[3]))  # (a forward that steps: one without a gradient casts none)
+        unseen = float(model.loss_packed(*batches[3]))  # (a forward that steps: one without a gradient casts none)
         table.data.copy_(as_stepped)
-        put_back = float(model.loss_packed(*inputs[3]))
-        model.loss_packed(*inputs[3]).backward()
+        put_back = float(model.loss_packed(*batches[3]))
+        model.loss_packed(*batches[3]).backward()
         with torch.no_grad():
             table.add_(0.25)
-        changed = float(model.loss_packed(*inputs[3]))
-        again = float(model.loss_packed(*inputs[3]))
-        model.loss_packed(*inputs[3]).backward()
+        changed = float(model.loss_packed(*batches[3]))
+        again = float(model.loss_packed(*batches[3]))
+        model.loss_packed(*batches[3]).backward()
     return counts, (unseen, put_back), (changed, again), ops.stepped_casts_kept(), len(list(model.parameters()))
 
 

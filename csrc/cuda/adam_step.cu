@@ -178,7 +178,7 @@ void adam_step_cuda(
     adam_step_(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled, copy_dtype);
     return;
   }
-  check_adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr);
+  check_adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr, copy_dtype);
   const at::cuda::OptionalCUDAGuard device_guard(param.device());
   step.add_(1);  // as the fused optimizer counts: first, on the device; the kernel reads it there
   if (param.numel() == 0) {
