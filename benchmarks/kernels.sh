@@ -18,6 +18,10 @@
 #   bash benchmarks/kernels.sh casts [1b 3b]    Adam's step writing each part's cast for the next forward
 #                                          (step.py --casts-from-step) against the forward casting, the layers'
 #                                          casts kept (--no-reshard) and not, beside the ceiling (default 1b)
+#   bash benchmarks/kernels.sh targets [1b 3b 8b]   the issue's table, each shape in one call: Linnet's default,
+#                                          its quickest (1b, 3b: the layers' casts kept, the step writing them)
+#                                          and (1b) its leanest ("matmuls", the loss op), beside the ceiling and
+#                                          FSDP2 (8b: "gather" beside both with activation checkpointing)
 #   bash benchmarks/kernels.sh snapshot [1b]   what is live at the peak of the 1B's step (or 3b; RECOMPUTE, default
 #                                          "matmuls", and LOSS pick the run): step.py --memory-snapshot, read by
 #                                          benchmarks/memory_peak.py
@@ -87,6 +91,25 @@ case "${1:-}" in
       done
       run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 12
     done ;;
+  targets)
+    shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 3b 8b)
+    for shape in "${shapes[@]}"; do
+      case $shape in
+        1b|3b)
+          card=llama-3.2-$shape
+          run "linnet-$shape-default" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --steps 12
+          run "linnet-$shape-kept" torchrun --nproc_per_node=1 benchmarks/step.py --card $card --no-reshard --steps 12
+          [ $shape = 1b ] && run "linnet-$shape-matmuls-loss-op" torchrun --nproc_per_node=1 benchmarks/step.py \
+            --card $card --recompute matmuls --loss op --steps 12
+          run "ceiling-$shape" python3 benchmarks/peers/plain_ceiling.py --shape $shape --steps 12
+          run "fsdp2-$shape" torchrun --nproc_per_node=1 benchmarks/peers/fsdp2_baseline.py --shape $shape --steps 12 ;;
+        8b)
+          run linnet-8b-gather torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.1-8b --steps 8
+          run ceiling-8b-ac python3 benchmarks/peers/plain_ceiling.py --shape 8b --ac --steps 8
+          run fsdp2-8b-ac torchrun --nproc_per_node=1 benchmarks/peers/fsdp2_baseline.py --shape 8b --ac --steps 8 ;;
+        *) echo "targets: 1b, 3b or 8b, got $shape"; exit 2 ;;
+      esac
+    done ;;
   snapshot)
     shape=${2:-1b}; name="snapshot-$shape-${RECOMPUTE:-matmuls}-loss-${LOSS:-generated}"
     run "$name" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-$shape --recompute "${RECOMPUTE:-matmuls}" \
@@ -100,5 +123,5 @@ case "${1:-}" in
       --steps 8 --profile "$OUT/profile-$shape"
     python3 benchmarks/top_kernels.py "$OUT/profile-$shape/trace.json.gz" --top 40 --sources "$TORCHINDUCTOR_CACHE_DIR" \
       --out "$OUT/profile-$shape/kernels" | tee "$OUT/profile-$shape/top.txt" | head -30 ;;
-  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]|beside [shapes]|casts [shapes]|snapshot [shape]|profile [shape]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/kernels.sh build|world1-8b [policies]|once [shapes]|memory [shapes]|beside [shapes]|casts [shapes]|targets [shapes]|snapshot [shape]|profile [shape]"; exit 2 ;;
 esac
