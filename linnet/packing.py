@@ -19,7 +19,7 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -77,6 +77,17 @@ class Row:
             if bad.size:
                 raise ValueError(f"{where}: {name}[{bad[0]}] = {ids[bad[0]]} is not a token id of the model, "
                                  f"whose vocabulary has {vocab}")
+
+
+LOSS_PACKED_INPUTS = ("tokens", "targets", "positions", "segments", "weights")
+"""A row's fields in the order the `loss_packed` entry takes them."""
+
+
+def stack_rows(rows: Sequence[Row]) -> list[np.ndarray]:
+    """Rows as the `loss_packed` entry takes them: each of LOSS_PACKED_INPUTS stacked, (rows, positions)."""
+    if not rows:
+        raise ValueError("stack_rows needs at least one row")
+    return [np.stack([getattr(row, name) for row in rows]) for name in LOSS_PACKED_INPUTS]
 
 
 @dataclass

@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,11 +33,11 @@ import torch.distributed as dist
 from linnet import watchdog
 from linnet.agree import cpu_group, raise_together
 from linnet.history import History, Progress, Step
-from linnet.packing import Example, Row, pack
+from linnet.packing import Example, Row, pack, stack_rows
 from linnet.torch.step_in_backward import stepping_in_backward, supported
 from linnet.torch.replicas import backward_and_step
 
-__all__ = ["Example", "pack", "cosine_schedule", "train", "evaluate", "History", "Step"]
+__all__ = ["Example", "pack", "row_tensors", "cosine_schedule", "train", "evaluate", "History", "Step"]
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, floor: float = 0.0):
@@ -60,16 +60,18 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _row_tensors(row: Row, device) -> list[torch.Tensor]:
-    fields = (row.tokens, row.targets, row.positions, row.segments, row.weights)
-    return [torch.from_numpy(f)[None].to(device, non_blocking=True) for f in fields]
+def row_tensors(rows: Row | Sequence[Row], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """A row (a batch of one) or rows as the `loss_packed` entry takes them, on `device`:
+    `model.loss_packed(*row_tensors(row, "cuda"))`."""
+    arrays = stack_rows([rows] if isinstance(rows, Row) else rows)
+    return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
 
 
 def _loss(model, row: Row, device, causal: bool) -> torch.Tensor:
     """The row's mean loss; `causal` (a row that one document fills, on every rank: a sharded entry is
     collective) takes the plain causal `loss` entry where the model has it, whose fused attention
     (cuDNN's on Hopper) is faster than attention under a document mask."""
-    tokens, targets, positions, segments, weights = _row_tensors(row, device)
+    tokens, targets, positions, segments, weights = row_tensors(row, device)
     if causal and "loss" in model.entries:
         return model.loss(tokens, targets, weights)
     return model.loss_packed(tokens, targets, positions, segments, weights)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from linnet import nest
-from linnet.packing import Example, pack
+from linnet.packing import LOSS_PACKED_INPUTS, Example, pack
 from linnet.torch import fully_shard
 from linnet.train import train
 
@@ -67,7 +67,7 @@ def die(step) -> None:
 
 
 def tensors(row, extra: int = 0) -> list[torch.Tensor]:
-    fields = (row.tokens, row.targets, row.positions, row.segments, row.weights)
+    fields = [getattr(row, name) for name in LOSS_PACKED_INPUTS]
     return [torch.from_numpy(np.concatenate([f, f[:extra]]))[None] for f in fields]
 
 

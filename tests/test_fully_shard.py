@@ -11,11 +11,11 @@ from distributed import run
 from hf_models import write_tied_card, write_untied_card
 from linnet import nest
 from linnet.packing import Example, pack
+from linnet.train import row_tensors
 
 ROW = 64
 STEPS = 5
 LR = 3e-3
-FIELDS = ("tokens", "targets", "positions", "segments", "weights")
 EPS = 1e-6  # AdamW's floor under sqrt(v): 1e-8 lets ~1e-9 gradients of unseen tokens take full steps (see relative_error)
 
 
@@ -58,7 +58,7 @@ def reference(card, world: int, device: str = "cpu") -> tuple[list[float], dict]
     losses = []
     for step in range(STEPS):
         batch = data[step * world:(step + 1) * world]
-        stack = [torch.from_numpy(np.stack([getattr(r, f) for r in batch])).to(device) for f in FIELDS]
+        stack = row_tensors(batch, device)
         loss = model.loss_packed(*stack)  # the token-weighted mean over the global batch
         loss.backward()
         optimizer.step()
@@ -134,7 +134,7 @@ def table_gradient(rank: int, world: int, card) -> np.ndarray:
 def test_a_looked_up_tables_gradient_is_single_process_one(untied, world):
     model = load(untied, batch=world)
     batch = rows(world)[:world]
-    model.loss_packed(*[torch.from_numpy(np.stack([getattr(r, f) for r in batch])) for f in FIELDS]).backward()
+    model.loss_packed(*row_tensors(batch)).backward()
     expected = dict(model.named_weights())["model.embed_tokens.weight"].grad.reshape(-1).numpy()
     parts = np.concatenate(run(table_gradient, world, untied, timeout=300))[:expected.size]
     assert relative_error(parts, expected) < 1e-6
@@ -210,7 +210,7 @@ def gathers_in_the_backward(rank: int, world: int, card, compile: str | None, re
 
     model = fully_shard(load(card, compile=compile), recompute=recompute, prefetch=0, reshard_after_forward=reshard)
     data = rows(world)[rank]
-    inputs = [torch.from_numpy(getattr(data, f))[None] for f in FIELDS]
+    inputs = row_tensors(data)
     gathers = ("linnet.all_gather.default", "linnet.cast_into_sink.default")
     if compile:
         _, (_, backward) = run_and_get_code(lambda: model.loss_packed(*inputs).backward())
@@ -260,7 +260,7 @@ def products_policy_decisions(rank: int, world: int, card, recompute: str) -> tu
     shard._products_policy = recording
     model = fully_shard(load(card), recompute=recompute)
     data = rows(world)[rank]
-    loss = model.loss_packed(*[torch.from_numpy(getattr(data, f))[None] for f in FIELDS])
+    loss = model.loss_packed(*row_tensors(data))
     with Seen():
         loss.backward()
     return decisions, backward_ops
@@ -295,7 +295,7 @@ def backward_products(rank: int, world: int, card, recompute: str) -> tuple[int,
     assert model.layer_region
     data = rows(world)[rank]
     _, (forward, backward) = run_and_get_code(
-        lambda: model.loss_packed(*[torch.from_numpy(getattr(data, f))[None] for f in FIELDS]).backward())
+        lambda: model.loss_packed(*row_tensors(data)).backward())
     return tuple(len(re.findall(r"extern_kernels\.b?mm\(", code)) for code in (forward, backward))
 
 
@@ -360,7 +360,7 @@ def own_loop(rank: int, world: int, card):
     data = rows(world)
     for step in range(STEPS):
         row = data[step * world + rank]
-        model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in FIELDS]).backward()
+        model.loss_packed(*row_tensors(row)).backward()
         optimizer.step()
         optimizer.zero_grad()
     return {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
@@ -372,7 +372,7 @@ def mean_of_the_ranks_losses(card, world: int) -> dict:
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     data = rows(world)
     for step in range(STEPS):
-        losses = [model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in FIELDS])
+        losses = [model.loss_packed(*row_tensors(row))
                   for row in data[step * world:(step + 1) * world]]
         (sum(losses) / world).backward()
         optimizer.step()
@@ -405,7 +405,7 @@ def one_step(model):
     """One AdamW step on the same row in every rank: the mean of the ranks' losses is that row's."""
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, eps=EPS)
     row = rows(1)[0]
-    loss = model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")])
+    loss = model.loss_packed(*row_tensors(row))
     loss.backward()
     optimizer.step()
     return optimizer

@@ -13,7 +13,8 @@ import torch
 from distributed import run
 from test_checkpoint import HALF, halves, join, zero_weight
 from linnet import nest
-from test_fully_shard import (EPS, FIELDS, LR, STEPS, card, load, mean_of_the_ranks_losses, reference,  # noqa: F401 (fixtures)
+from linnet.train import row_tensors
+from test_fully_shard import (EPS, LR, STEPS, card, load, mean_of_the_ranks_losses, reference,  # noqa: F401 (fixtures)
                              relative_error, rows, untied)
 
 
@@ -165,7 +166,7 @@ def reductions_made(rank: int, world: int, card, own_loop: bool) -> list:
     row = rows(world)[rank]
     with Reductions():
         if own_loop:
-            model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in FIELDS]).backward()
+            model.loss_packed(*row_tensors(row)).backward()
         else:
             train(model, iter([row]), optimizer=optimizer, steps=1, on_step=lambda s: None)
     return sorted(made)
@@ -192,7 +193,7 @@ def own_loop_on_a_mesh(rank: int, world: int, card, compile: str | None):
     for step in range(STEPS):
         row = data[step * world + rank]
         for half in (0.25, 0.75):
-            (half * model.loss_packed(*[torch.from_numpy(getattr(row, f))[None] for f in FIELDS])).backward()
+            (half * model.loss_packed(*row_tensors(row))).backward()
         optimizer.step()
         optimizer.zero_grad()
     return {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from linnet.packing import Example, fill_ratio, pack
+from linnet.cardlang.parse import parse_program
+from linnet.packing import LOSS_PACKED_INPUTS, Example, fill_ratio, pack, stack_rows
 
 DATA = Path(__file__).parents[1] / "examples" / "07-fsdp" / "data" / "tasks.jsonl"
 
@@ -98,3 +99,21 @@ def test_bad_input():
         Example.prompted([], [1])
     with pytest.raises(TypeError, match="pack takes Example objects"):
         list(pack([[1, 2, 3]], 8))
+
+
+@pytest.mark.parametrize("arch", sorted((Path(__file__).parents[1] / "linnet" / "cards").glob("*.arch")), ids=lambda p: p.stem)
+def test_the_rows_fields_are_in_the_order_every_shipped_loss_packed_takes(arch):
+    program = parse_program(arch.read_text(), str(arch))
+    assert [param.name for param in program.functions["loss_packed"].params] == list(LOSS_PACKED_INPUTS)
+
+
+def test_stacked_rows_are_the_rows_fields_one_row_a_line():
+    rows = list(pack(examples(60), 32))[:3]
+    stacked = stack_rows(rows)
+    for name, array in zip(LOSS_PACKED_INPUTS, stacked):
+        assert array.shape == (3, 32)
+        for line, row in zip(array, rows):
+            np.testing.assert_array_equal(line, getattr(row, name))
+    with pytest.raises(ValueError, match="at least one row"):
+        stack_rows([])
+

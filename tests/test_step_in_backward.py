@@ -16,6 +16,7 @@ from distributed import run
 from hf_models import write_tied_card, write_untied_card
 from linnet import nest
 from linnet.packing import Example, pack
+from linnet.train import row_tensors
 from linnet.torch import ops
 from linnet.torch.step_in_backward import stepping_in_backward, supported
 
@@ -39,11 +40,6 @@ def rows(world: int) -> list:
     examples = [Example.prompted(rng.integers(0, 211, rng.integers(3, 20)).tolist(),
                                  rng.integers(0, 211, rng.integers(2, 15)).tolist()) for _ in range(50 * world)]
     return list(pack(examples, ROW))[: STEPS * world]
-
-
-def inputs(row) -> list[torch.Tensor]:
-    """A packed row as the loss_packed entry takes it: a batch of one."""
-    return [torch.from_numpy(getattr(row, f))[None] for f in ("tokens", "targets", "positions", "segments", "weights")]
 
 
 @pytest.mark.parametrize("kind, weight_decay", [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.0)])
@@ -240,7 +236,7 @@ def one_backward(rank: int, world: int, card, compile: str | None):
 
     model = sharded(card, compile)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2)
-    row = inputs(rows(world)[rank])
+    row = row_tensors(rows(world)[rank])
     before = [p.detach().clone() for p in model.parameters()]
     with stepping_in_backward(model, optimizer) as stepping:
         # Each part enters the entry detached: the graph's inputs that its backward changes require no
@@ -290,7 +286,7 @@ def backward_ops(rank: int, world: int, card) -> list[str]:
             return func(*args, **(kwargs or {}))
 
     model = sharded(card, recompute="full")
-    row = inputs(rows(world)[rank])
+    row = row_tensors(rows(world)[rank])
     with stepping_in_backward(model, torch.optim.AdamW(list(model.parameters()), lr=1e-2)):
         loss = model.loss_packed(*row)
         with Record() as record:
@@ -390,7 +386,7 @@ def kept_casts(rank: int, world: int, card, compile: str | None, reshard_after_f
     torch.set_num_threads(1)
     model = sharded(card, compile, "bf16", reshard_after_forward=reshard_after_forward)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2, fused=True)
-    batches = [inputs(row) for row in rows(world)]
+    batches = [row_tensors(row) for row in rows(world)]
     table = model.params[next(iter(model.params))]
     counts = []
     with stepping_in_backward(model, optimizer):

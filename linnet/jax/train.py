@@ -54,11 +54,9 @@ from linnet.jax import shard
 from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
 from linnet.jax.model import JAX_DTYPES, JaxModel
 from linnet.jax.xla import xla_options
-from linnet.packing import Row
+from linnet.packing import LOSS_PACKED_INPUTS, Row, stack_rows
 
 __all__ = ["default_mesh", "evaluate", "own_rows", "train"]
-
-_FIELDS = ("tokens", "targets", "positions", "segments", "weights")
 
 
 def train(
@@ -148,7 +146,7 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             for index, row in enumerate(chunk):
                 row.check_ids(model.checked.dims["Vocab"], f"step {step}, row {index}")
             arrays = _stack(chunk, model.generics["MaxSeq"])
-            kernel = _agreed_kernel(_attention_kernel(model, mesh, arrays[_FIELDS.index("segments")]))
+            kernel = _agreed_kernel(_attention_kernel(model, mesh, arrays[LOSS_PACKED_INPUTS.index("segments")]))
             if kernel not in step_functions:
                 step_functions[kernel] = _step_function(model, layouts, mesh, optimizer, remat, parts, state_placements, kernel)
             inputs = [jax.make_array_from_process_local_data(placement, array) for array in arrays]
@@ -221,7 +219,7 @@ def _evaluate_sharded(model: JaxModel, rows: list[Row], weights: shard.ShardedWe
         weight = float(sum(row.weights.sum() for row in chunk))
         if weight:
             arrays = _stack(chunk, model.generics["MaxSeq"])
-            kernel = _attention_kernel(model, mesh, arrays[_FIELDS.index("segments")])
+            kernel = _attention_kernel(model, mesh, arrays[LOSS_PACKED_INPUTS.index("segments")])
             if kernel not in functions:
                 functions[kernel] = _evaluate_function(model, weights.layouts, mesh, kernel)
             inputs = [shard.from_host(array, placement) for array in arrays]
@@ -305,7 +303,7 @@ def _rows_spec(mesh: Mesh) -> PartitionSpec:
 
 def _stack(rows: list[Row], positions: int) -> list[np.ndarray]:
     _check_positions(rows[0], positions)
-    return [np.stack([getattr(row, name) for row in rows]) for name in _FIELDS]
+    return stack_rows(rows)
 
 
 def _check_positions(row: Row, positions: int) -> None:
