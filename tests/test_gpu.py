@@ -75,19 +75,24 @@ def test_the_step_in_the_backward_equals_the_step_after_on_the_gpu(nccl_world_of
         model = fully_shard(nest.load("tiny-llama", device="cuda", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"},
                                       cast_dtype=True, trainable=True, weights="random", entry="loss_packed", compile=compile),
                             reshard_after_forward=reshard_after_forward)
-        optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, fused=True)
+        # eps=1e-6 (test_fully_shard.EPS): under AdamW's default 1e-8 an element whose gradient is ~1e-9
+        # takes a full step of either sign, and a sum's last bit can move it by twice the learning rate.
+        optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, eps=1e-6, fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
         history = train(model, iter(rows(4)), optimizer=optimizer, steps=4, schedule=schedule, on_step=lambda s: None,
                         step_in_backward=in_backward)
         results.append(([s.loss for s in history.steps], [p.detach().cpu() for p in model.parameters()]))
     (losses_after, parts_after), (losses_within, parts_within) = results
-    # Not bit for bit, as on the CPU: a GPU's backward may add in any order (atomics), run to run. The
-    # parts (f32) are held to 1e-5; the losses are the bf16 model's, where a part's last bits can turn a
-    # rounding: 1.6e-5 was seen at the fourth step once (an H100, compiled, reshard_after_forward=True; the
-    # same case had passed at 1e-5 before), against the 1e-2 by which each step moves them.
-    np.testing.assert_allclose(losses_within, losses_after, rtol=1e-4)
-    for within, after in zip(parts_within, parts_after):
-        assert float((within - after).norm() / after.norm()) < 1e-5
+    # Eager, the two trainings add alike (equal to the bit on an H100); held to 1e-5, for atomics. Compiled,
+    # they are two functions (one steps in its backward), which inductor fuses apart: their bf16 gradients
+    # can round differently, element by element. A gradient's last bit moves its Adam step by up to about
+    # lr * 2^-8: over these four steps (lr 3e-3 / step) 2.4e-5 an element, 1.2e-3 of the table's norm were
+    # every element moved so (its elements are ~0.02). Seen on H100s: 7.0e-4 (the tied table) and 2.5e-5.
+    # A step gone wrong (a gradient lost or misplaced, a stale learning rate) moves elements by ~lr: ~0.1.
+    parts_noise, losses_noise = (2e-3, 1e-4) if compile else (1e-5, 1e-5)
+    for index, (within, after) in enumerate(zip(parts_within, parts_after)):
+        assert float((within - after).norm() / after.norm()) < parts_noise, f"part {index} {tuple(after.shape)}"
+    np.testing.assert_allclose(losses_within, losses_after, rtol=losses_noise)
 
 
 def test_causal_attention_runs_cudnns_kernel_and_equals_exact():
