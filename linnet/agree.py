@@ -33,7 +33,9 @@ from linnet.errors import USER_ERRORS, UserError
 
 T = TypeVar("T")
 
-_CPU_GROUPS: dict[str, dist.ProcessGroup] = {}  # group name -> the Gloo group of its ranks
+# group name -> (the group, the Gloo group of its ranks). Names come again after destroy_process_group
+# and a new init: a group made for an earlier group of that name is not this one's.
+_CPU_GROUPS: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 _KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, UserError)}  # raised again by name
 
 
@@ -54,10 +56,11 @@ def cpu_group(group: dist.ProcessGroup | str | None = None) -> dist.ProcessGroup
     group = _group(group)
     if torch.device("cpu") in group._device_types:
         return group
-    if group.group_name not in _CPU_GROUPS:
+    made = _CPU_GROUPS.get(group.group_name)
+    if made is None or made[0] is not group:
         ranks = dist.get_process_group_ranks(group)
-        _CPU_GROUPS[group.group_name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return _CPU_GROUPS[group.group_name]
+        made = _CPU_GROUPS[group.group_name] = group, dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return made[1]
 
 
 def _messages(problem, group: dist.ProcessGroup | str | None = None) -> list:

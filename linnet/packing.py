@@ -31,6 +31,15 @@ class Example:
     tokens: tuple[int, ...]
     weights: tuple[float, ...]  # weights[t]: the weight of predicting tokens[t + 1]; len(tokens) - 1 of them
 
+    def __post_init__(self) -> None:
+        # As tuples (a list would pass here and fail in pack), and one weight a predicted token: with one a
+        # token, the last would weigh a prediction of the padding that follows the document.
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "weights", tuple(self.weights))
+        if len(self.weights) != len(self.tokens) - 1:
+            raise ValueError(f"an Example of {len(self.tokens)} tokens needs {len(self.tokens) - 1} weights (one a "
+                             f"predicted next token), got {len(self.weights)}")
+
     @staticmethod
     def prompted(prompt: Iterable[int], answer: Iterable[int]) -> Example:
         """A prompt and its answer: the loss is on the answer's tokens only."""
@@ -109,6 +118,8 @@ def pack(examples: Iterable[Example], tokens: int, *, pad: int = 0, open_rows: i
     """Rows of exactly `tokens` positions from `examples` (a list or a generator)."""
     if tokens < 2:
         raise ValueError(f"a row needs at least 2 positions, got {tokens}")
+    if open_rows < 1:
+        raise ValueError(f"pack needs at least one open row, got open_rows={open_rows}")
     rows: list[_OpenRow] = []
     opened = 0
     for example in examples:

@@ -155,7 +155,7 @@ def _problem(check) -> str | None:
 
 
 def _check_model(model) -> None:
-    rank, world = _world()
+    _, world = _world()
     if world > 1 and getattr(model, "sharding", None) is None:
         raise RuntimeError(f"{world} processes but the model is not sharded: call linnet.torch.fully_shard(model) first")
     if "loss_packed" not in model.entries:

@@ -538,6 +538,31 @@ def test_the_step_before_a_stop_is_reported(card):
     assert outcomes[0][1] == outcomes[1][1]  # the global batch's loss, on every rank
 
 
+def device_check(rank: int, world: int) -> dict:
+    """What fully_shard's device check says of a model on each device, over the default group."""
+    from types import SimpleNamespace
+
+    from linnet.torch.shard import _check_device
+
+    said = {}
+    for device in ("cpu", "cuda"):
+        try:
+            _check_device(SimpleNamespace(device=torch.device(device), cast_dtype=True), torch.distributed.group.WORLD)
+            said[device] = None
+        except ValueError as error:
+            said[device] = str(error)
+    return said
+
+
+def test_the_model_must_be_where_the_groups_backends_take_tensors():
+    """A group whose backends take CPU tensors alone refuses a CUDA model; one made with a backend a device
+    ("cpu:gloo,cuda:nccl", or none named, as init_device_mesh makes it with NCCL there) takes either."""
+    said = run(device_check, 1, backend="cpu:gloo")[0]
+    assert said["cpu"] is None
+    assert "the model is on cuda but the process group's backend (cpu:gloo) takes tensors on cpu" in said["cuda"]
+    assert run(device_check, 1, backend="cpu:gloo,cuda:gloo")[0] == {"cpu": None, "cuda": None}
+
+
 def save_where_it_cannot(rank: int, world: int, card, target: str):
     """save_weights, then a checkpoint, into a path under a file: only the first rank writes either."""
     from linnet.checkpoint import Checkpointer

@@ -252,6 +252,41 @@ def test_a_2d_checkpoint_holds_each_part_once_and_resumes_on_other_meshes(tmp_pa
             assert relative_error(tensor, uninterrupted[1][name]) < 1e-5, (shape, name)
 
 
+def save_on_a_mesh(rank: int, world: int, card, folder: str, blocked: str) -> tuple[int, dict, str | None]:
+    """save_weights on a 2 x 2 mesh: (the writes this rank made, the gathered weights); then into a path
+    under a file, what this rank raised."""
+    import linnet.export
+    from linnet.torch.shard import gathered_weights
+
+    model = on_a_mesh(card)
+    writes, write = [], linnet.export.write_hf_checkpoint
+    linnet.export.write_hf_checkpoint = lambda *args, **kwargs: writes.append(1) or write(*args, **kwargs)
+    model.save_weights(folder, dtype=torch.float32)
+    written = len(writes)
+    weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
+    try:
+        model.save_weights(blocked)
+        raised = None
+    except Exception as error:  # noqa: BLE001  (the test looks at what each rank raised)
+        raised = f"{type(error).__name__}: {error}"
+    return written, weights, raised
+
+
+def test_on_a_2d_mesh_one_rank_writes_the_weights_and_every_rank_learns_of_a_failed_write(card, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "a-file").write_text("not a folder")
+    ranks = run(save_on_a_mesh, 4, card, str(tmp_path / "saved"), str(tmp_path / "a-file" / "saved"), timeout=300)
+    assert [writes for writes, _, _ in ranks] == [1, 0, 0, 0]  # the first rank of the first replica alone
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", torch_dtype=torch.float32).state_dict()
+    for name, tensor in ranks[0][1].items():
+        np.testing.assert_array_equal(loaded[name].numpy(), tensor, err_msg=name)
+    mine = ranks[0][2]
+    assert mine is not None and "Not a directory" in mine  # the writing rank's own error
+    for rank, (_, _, other) in enumerate(ranks[1:], start=1):  # the other replica's too
+        assert other.startswith("RuntimeError: could not write the weights to") and "rank 0: " in other, (rank, other)
+
+
 def bad_mesh(rank: int, world: int, card, shape: tuple[int, ...], names: tuple[str, ...], with_group: bool) -> str:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -99,6 +99,13 @@ def test_bad_input():
         Example.prompted([], [1])
     with pytest.raises(TypeError, match="pack takes Example objects"):
         list(pack([[1, 2, 3]], 8))
+    with pytest.raises(ValueError, match="an Example of 3 tokens needs 2 weights .* got 3"):
+        Example((5, 6, 7), (1.0, 1.0, 1.0))  # one a token: the last would weigh a prediction of padding
+    with pytest.raises(ValueError, match="needs 2 weights .* got 1"):
+        Example([5, 6, 7], [1.0])
+    assert Example([5, 6, 7], [0.0, 1.0]) == Example((5, 6, 7), (0.0, 1.0))  # lists are taken as tuples
+    with pytest.raises(ValueError, match="at least one open row"):
+        list(pack(examples(3), 8, open_rows=0))
 
 
 @pytest.mark.parametrize("arch", sorted((Path(__file__).parents[1] / "linnet" / "cards").glob("*.arch")), ids=lambda p: p.stem)

@@ -29,7 +29,6 @@ class TorchModel(LoadedModel):
         self.sharding = None  # set by linnet.torch.fully_shard
         self.late_parts = None  # set by fully_shard with replicas: the parts reduced last (linnet/torch/replicas.py)
         self.stepping = None  # an optimizer stepping in the backward, while it does (linnet/torch/step_in_backward.py)
-        self._stepping_entries: dict = {}
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
@@ -88,7 +87,8 @@ class TorchModel(LoadedModel):
 
     def _install(self, source: str, namespace: dict) -> None:
         super()._install(source, namespace)
-        self._stepping_entries = {}  # compiled again from the new functions when first called
+        # entry -> its function with the steps first, compiled again from the new functions when first called
+        self._stepping_entries: dict = {}
 
     def _call(self, entry: str, inputs):
         stepping = self.stepping
@@ -143,8 +143,9 @@ class TorchModel(LoadedModel):
         """A Hugging Face checkpoint: SafeTensors files of at most max_shard_size ("5GB" is 5e9 bytes;
         several come with model.safetensors.index.json) and the config.json transformers loads them with.
 
-        Sharded, every rank must call it: each group is gathered in turn and the first rank writes it,
-        so no rank holds more than one group whole; if the write fails, every rank raises."""
+        Sharded, every rank must call it: each group is gathered in turn and the first rank writes it (of
+        the first replica, with hybrid sharding), so no rank holds more than one group whole; if the write
+        fails, every rank raises."""
         from linnet.export import check_dtype, write_hf_checkpoint
 
         check_dtype(dtype)
@@ -158,13 +159,16 @@ class TorchModel(LoadedModel):
 
         def write_or_follow():
             try:
-                if self.sharding.rank == 0:
+                if self.sharding.rank == 0 and self.sharding.replica == 0:
                     write_hf_checkpoint(self.card, shapes, gathered, Path(path), dtype, max_shard_size=max_shard_size)
             finally:
                 for _ in gathered:  # the other ranks are in the gathers of the groups left: join them to the end
                     pass
 
-        together(write_or_follow, f"write the weights to {path}", self.sharding.group_name)
+        # Agreed by every rank that holds these weights: the shard group's, and with replicas every rank (a
+        # 2-D mesh holds them all), so that the other machines learn of a write that failed.
+        everyone = None if self.sharding.replicas > 1 else self.sharding.group_name
+        together(write_or_follow, f"write the weights to {path}", everyone)
         return Path(path)
 
     def _agree(self, check, what: str) -> None:

@@ -11,6 +11,7 @@ their process group by `group_name` (`ProcessGroup.group_name`); with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -139,6 +140,7 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torc
     return _ops.linear_cross_entropy(hidden, head, targets, weights, chunk_rows)
 
 
+@functools.cache  # asked by a checkpoint policy at every op it sees
 def collective_overloads() -> frozenset:
     """The op overloads that communicate or wait, and one rank's gather (its cast), as a dispatch mode sees
     them (below autograd): a checkpoint policy recomputes these rather than save them, or keeps them

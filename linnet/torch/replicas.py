@@ -76,11 +76,16 @@ class LateParts:
             self._deferred = False
 
 
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a hook sees the optimizer's step() calls (its own, or every optimizer's): split into two
+    calls, or made elsewhere (in the backward), its steps would reach them otherwise."""
+    return any((optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+                optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks))
+
+
 def _steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
     """Whether two step() calls over disjoint parameters are one step of all of them."""
-    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
-             optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks)
-    return type(optimizer) in PER_PARAMETER and not any(hooks)
+    return type(optimizer) in PER_PARAMETER and not has_step_hooks(optimizer)
 
 
 def backward_and_step(model, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:

@@ -16,12 +16,16 @@ The order is fixed:
      ahead) with the functions it calls bound here: the backward of a gather
      reduce-scatters the gradient into the f32 part, and each layer's gathered
      weights are not kept for the backward (ZeRO-3): the backward gathers them
-     again. A table read only by lookups (an untied embedding) is never
-     gathered: `lookup` moves the rows of the tokens instead.
+     again. Two exceptions: compiled, the layers whose backward comes first
+     (the last prefetch + 1, linnet/emit/schedule.py) keep theirs; and
+     reshard_after_forward=False keeps every gather. A table read only by
+     lookups (an untied embedding) is never gathered: `lookup` moves the rows
+     of the tokens instead.
 
 Compiled (torch.compile), the schedule is the graph's: launches, waits and
-the `after` dependencies are nodes, each launch in a checkpoint region of its
-own so that the backward launches it again rather than keep its buffer.
+the `after` dependencies are nodes, each launch that is not kept in a
+checkpoint region of its own so that the backward launches it again rather
+than keep its buffer.
 Eager, the same source runs each gather where it is waited for, in the
 layer's checkpointed region, and waits for each reduce-scatter at once: a
 checkpointed region must run the same ops when the backward recomputes it,
@@ -212,11 +216,13 @@ def _groups(group: dist.ProcessGroup | None, mesh) -> tuple[dist.ProcessGroup, d
 
 
 def _check_device(model: TorchModel, group: dist.ProcessGroup) -> None:
-    backend = dist.get_backend(group)
-    wanted = "cuda" if backend == "nccl" else "cpu"
-    if model.device.type != wanted:
-        raise ValueError(f"the model is on {model.device} but the process group's backend is {backend}, "
-                         f"which needs the model on {wanted}: nest.load(..., device=...) accordingly")
+    """The model where the group's backends take tensors: a group made with no backend named (or with
+    "cpu:gloo,cuda:nccl") takes both, and each collective goes to the backend of its tensors' device."""
+    takes = sorted({device.type for device in group._device_types})
+    if model.device.type not in takes:
+        raise ValueError(f"the model is on {model.device} but the process group's backend "
+                         f"({dist.get_backend(group)}) takes tensors on {' and '.join(takes)}: "
+                         "nest.load(..., device=...) accordingly")
     if not model.cast_dtype:
         raise ValueError("fully_shard keeps f32 master parts and gathers in the compute dtype: "
                          "load the model with cast_dtype=True")

@@ -52,9 +52,9 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-from torch.optim import optimizer as optimizer_module
 
 from linnet.torch import ops
+from linnet.torch.replicas import has_step_hooks
 
 
 class AdamSettings(NamedTuple):
@@ -90,9 +90,7 @@ def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
                 return "a trained part has a gradient hook, which would never see the gradient the step takes"
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return f"{type(optimizer).__name__} is not torch.optim.Adam or AdamW"
-    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
-             optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks)
-    if any(hooks):
+    if has_step_hooks(optimizer):
         return "the optimizer has step hooks, which would not see the steps taken in the backward"
     for index, group in enumerate(optimizer.param_groups):
         for option in ("amsgrad", "maximize", "differentiable"):
