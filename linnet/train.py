@@ -156,8 +156,13 @@ def _problem(check) -> str | None:
 
 def _check_model(model) -> None:
     _, world = _world()
-    if world > 1 and getattr(model, "sharding", None) is None:
+    sharding = getattr(model, "sharding", None)
+    if world > 1 and sharding is None:
         raise RuntimeError(f"{world} processes but the model is not sharded: call linnet.torch.fully_shard(model) first")
+    if sharding is not None and sharding.world * sharding.replicas != world:
+        # The loss is the mean over every rank's row, and the rows are dealt over every rank.
+        raise ValueError(f"train needs the model sharded over every one of the {world} processes; it is over "
+                         f"{sharding.world * sharding.replicas} (fully_shard(group=...) of some of them)")
     if "loss_packed" not in model.entries:
         raise ValueError(f"train needs the loss_packed entry; the model was loaded with entries {model.entries}")
 

@@ -538,6 +538,26 @@ def test_the_step_before_a_stop_is_reported(card):
     assert outcomes[0][1] == outcomes[1][1]  # the global batch's loss, on every rank
 
 
+def train_over_a_subgroup(rank: int, world: int, card) -> str:
+    import torch.distributed as dist
+
+    from linnet.torch import fully_shard
+    from linnet.train import train
+
+    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
+    model = fully_shard(load(card), group=own)
+    try:
+        train(model, iter(rows(1)), optimizer=torch.optim.AdamW(list(model.parameters())), steps=1, on_step=lambda s: None)
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_train_refuses_a_model_sharded_over_some_of_the_processes(card):
+    for said in run(train_over_a_subgroup, 2, card, timeout=120):
+        assert said == "train needs the model sharded over every one of the 2 processes; it is over 1 (fully_shard(group=...) of some of them)"
+
+
 def device_check(rank: int, world: int) -> dict:
     """What fully_shard's device check says of a model on each device, over the default group."""
     from types import SimpleNamespace
