@@ -558,6 +558,45 @@ def test_train_refuses_a_model_sharded_over_some_of_the_processes(card):
         assert said == "train needs the model sharded over every one of the 2 processes; it is over 1 (fully_shard(group=...) of some of them)"
 
 
+def shard_that_fails(rank: int, world: int, card, read_first: bool) -> list[str]:
+    """fully_shard failing as it cuts the first part, then fully_shard again, then a call of the model."""
+    import linnet.torch.shard as shard
+    from linnet.torch import fully_shard
+
+    model = load(card)
+    if read_first:
+        model.params  # read whole: fully_shard then cuts the weights group by group, dropping each
+    cut = shard._part_of
+
+    def no_room(*args, **kwargs):
+        raise MemoryError("no room for the part")
+
+    shard._part_of, said = no_room, []
+    try:
+        fully_shard(model)
+    except MemoryError as error:
+        said.append(str(error))
+    shard._part_of = cut
+    for attempt in (lambda: fully_shard(model), lambda: model.loss_packed(*row_tensors(rows(1)[0]))):
+        try:
+            attempt()
+            said.append("ran")
+        except RuntimeError as error:
+            said.append(str(error))
+    return said
+
+
+def test_a_fully_shard_that_fails_says_whether_the_model_can_be_used_again(card):
+    """Loaded whole, its weights go as the parts are cut: after a failure the model says it has lost them
+    (rather than "already sharded", or a KeyError at its next call). Not read yet, nothing changed."""
+    failed, again, called = run(shard_that_fails, 1, card, True)[0]
+    assert failed == "no room for the part"
+    assert again == called and again.startswith("fully_shard of ") and again.endswith(
+        " failed after it began to cut the weights into parts (MemoryError: no room for the part): this model has "
+        "lost them; nest.load it again")
+    assert run(shard_that_fails, 1, card, False)[0] == ["no room for the part", "ran", "ran"]
+
+
 def device_check(rank: int, world: int) -> dict:
     """What fully_shard's device check says of a model on each device, over the default group."""
     from types import SimpleNamespace

@@ -29,6 +29,7 @@ class TorchModel(LoadedModel):
         self.sharding = None  # set by linnet.torch.fully_shard
         self.late_parts = None  # set by fully_shard with replicas: the parts reduced last (linnet/torch/replicas.py)
         self.stepping = None  # an optimizer stepping in the backward, while it does (linnet/torch/step_in_backward.py)
+        self.unusable: str | None = None  # why, where a fully_shard failed after it began to change the model
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
@@ -91,6 +92,8 @@ class TorchModel(LoadedModel):
         self._stepping_entries: dict = {}
 
     def _call(self, entry: str, inputs):
+        if self.unusable is not None:
+            raise RuntimeError(self.unusable)
         stepping = self.stepping
         if stepping is None or not torch.is_grad_enabled():
             return super()._call(entry, inputs)

@@ -156,6 +156,8 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
         raise ValueError(f"reduce_dtype must be torch.float32 or torch.bfloat16, got {reduce_dtype}")
     if not isinstance(model, TorchModel):
         raise TypeError(f"fully_shard takes a model from nest.load(..., backend='torch'), got {type(model).__name__}")
+    if model.unusable is not None:
+        raise RuntimeError(model.unusable)
     if getattr(model, "sharding", None) is not None:
         raise RuntimeError(f"{model.card.name} is already sharded (over {model.sharding.world} ranks); fully_shard it once")
     if not dist.is_available() or not dist.is_initialized():
@@ -178,18 +180,30 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
         layouts[decl.name] = GroupLayout(decl.name, tuple(w.name for w in weights), shapes, tuple(layout.offsets),
                                          layout.total, layout.part_size)
         _check_split(layouts[decl.name], world)
-    read = _parts_from_weights if model.weight_source is None else _parts_from_source  # loaded whole, or not read yet
-    parts = read(model, layouts, rank, world)
-    model.params = parts
-    model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
-                              reduce_dtype if world * replicas > 1 else torch.float32, schedule, reshard_after_forward,
-                              None if replicate is None else replicate.group_name, replicas, replica,
-                              runs_by_group(checked, list(checked.program.functions.values())))
-    model._install(model.emit(schedule=schedule), _bindings(model.sharding))
-    late = [model.params[key] if index is None else model.params[key][index]
-            for key, index in late_parts(checked, model.backend, schedule, model.entries)]
-    if late and model.trainable:  # (untrainable parts take no gradient, and no hook)
-        model.late_parts = LateParts(late, model.sharding.reduce_dtype, replicate.group_name, replicas)
+    # Loaded whole, the model's weights go group by group as its parts are cut (never held twice): from the
+    # first cut on, a failure leaves a model that cannot be used or sharded again. Not read yet, it changes
+    # once its parts are all made.
+    whole = model.weight_source is None
+    changing = whole
+    try:
+        parts = (_parts_from_weights if whole else _parts_from_source)(model, layouts, rank, world)
+        changing = True
+        model.params = parts
+        model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
+                                  reduce_dtype if world * replicas > 1 else torch.float32, schedule,
+                                  reshard_after_forward, None if replicate is None else replicate.group_name,
+                                  replicas, replica, runs_by_group(checked, list(checked.program.functions.values())))
+        model._install(model.emit(schedule=schedule), _bindings(model.sharding))
+        late = [model.params[key] if index is None else model.params[key][index]
+                for key, index in late_parts(checked, model.backend, schedule, model.entries)]
+        if late and model.trainable:  # (untrainable parts take no gradient, and no hook)
+            model.late_parts = LateParts(late, model.sharding.reduce_dtype, replicate.group_name, replicas)
+    except BaseException as error:
+        if changing:
+            model.sharding, model.unusable = None, (
+                f"fully_shard of {model.card.name} failed after it began to cut the weights into parts "
+                f"({type(error).__name__}: {error}): this model has lost them; nest.load it again")
+        raise
     return model
 
 
