@@ -15,11 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_gpu import ROW, rows  # noqa: E402 (the test's rows)
-
-from linnet import nest  # noqa: E402
-from linnet.torch import fully_shard  # noqa: E402
-from linnet.train import train  # noqa: E402
+from test_gpu import trained_after_and_within  # noqa: E402 (the test's trainings)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--cases", default="True-None,True-inductor,False-None,False-inductor")
@@ -30,18 +26,8 @@ args = parser.parse_args()
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
 for case in args.cases.split(","):
     reshard, compile = case.split("-")
-    runs = []
-    for in_backward in (False, True):
-        model = fully_shard(nest.load("tiny-llama", device="cuda", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"},
-                                      cast_dtype=True, trainable=True, weights="random", entry="loss_packed",
-                                      compile=None if compile == "None" else compile),
-                            reshard_after_forward=reshard == "True")
-        optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, eps=args.eps, fused=True)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
-        history = train(model, iter(rows(args.steps)), optimizer=optimizer, steps=args.steps, schedule=schedule,
-                        on_step=lambda s: None, step_in_backward=in_backward)
-        runs.append(([s.loss for s in history.steps], [p.detach().cpu().clone() for p in model.parameters()]))
-    (losses_after, parts_after), (losses_within, parts_within) = runs
+    (losses_after, parts_after), (losses_within, parts_within) = trained_after_and_within(
+        None if compile == "None" else compile, reshard == "True", args.steps, args.eps)
     print(f"== {case}: losses after {losses_after}, within {losses_within}", flush=True)
     for index, (within, after) in enumerate(zip(parts_within, parts_after)):
         distance = float((within - after).norm() / after.norm())

@@ -61,12 +61,11 @@ def test_sharded_training_over_nccl_equals_unsharded(nccl_world_of_one, compile)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize("compile", [None, "inductor"])
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_the_step_in_the_backward_equals_the_step_after_on_the_gpu(nccl_world_of_one, compile, reshard_after_forward):
-    """In bf16, with fused AdamW (a host lr tensor read by the CUDA kernel) and an lr that changes each step:
-    the parts as the step after the backward leaves them. With reshard_after_forward=False the step also
-    writes each part's cast, which the next forward takes (linnet/torch/shard.py, `_casts_from_the_step`)."""
+def trained_after_and_within(compile: str | None, reshard_after_forward: bool, steps: int = 4,
+                             eps: float = 1e-6) -> list[tuple[list[float], list[torch.Tensor]]]:
+    """The tiny card's losses and parts after `steps` of train in bf16 (on the CUDA device of a process group
+    of one), stepping after the backward, then in it: fused AdamW (a host lr tensor read by the CUDA kernel)
+    with an lr that changes each step. Also benchmarks/step_in_backward_diff.py's."""
     from linnet.torch import fully_shard
     from linnet.train import train
 
@@ -77,12 +76,21 @@ def test_the_step_in_the_backward_equals_the_step_after_on_the_gpu(nccl_world_of
                             reshard_after_forward=reshard_after_forward)
         # eps=1e-6 (test_fully_shard.EPS): under AdamW's default 1e-8 an element whose gradient is ~1e-9
         # takes a full step of either sign, and a sum's last bit can move it by twice the learning rate.
-        optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, eps=1e-6, fused=True)
+        optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.1, eps=eps, fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
-        history = train(model, iter(rows(4)), optimizer=optimizer, steps=4, schedule=schedule, on_step=lambda s: None,
-                        step_in_backward=in_backward)
+        history = train(model, iter(rows(steps)), optimizer=optimizer, steps=steps, schedule=schedule,
+                        on_step=lambda s: None, step_in_backward=in_backward)
         results.append(([s.loss for s in history.steps], [p.detach().cpu() for p in model.parameters()]))
-    (losses_after, parts_after), (losses_within, parts_within) = results
+    return results
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_the_step_in_the_backward_equals_the_step_after_on_the_gpu(nccl_world_of_one, compile, reshard_after_forward):
+    """In bf16, the parts as the step after the backward leaves them. With reshard_after_forward=False the
+    step also writes each part's cast, which the next forward takes (linnet/torch/shard.py,
+    `_casts_from_the_step`)."""
+    (losses_after, parts_after), (losses_within, parts_within) = trained_after_and_within(compile, reshard_after_forward)
     # Eager, the two trainings add alike (equal to the bit on an H100); held to 1e-5, for atomics. Compiled,
     # they are two functions (one steps in its backward), which inductor fuses apart: their bf16 gradients
     # can round differently, element by element. A gradient's last bit moves its Adam step by up to about

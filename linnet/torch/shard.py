@@ -180,14 +180,13 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
         layouts[decl.name] = GroupLayout(decl.name, tuple(w.name for w in weights), shapes, tuple(layout.offsets),
                                          layout.total, layout.part_size)
         _check_split(layouts[decl.name], world)
-    # Loaded whole, the model's weights go group by group as its parts are cut (never held twice): from the
-    # first cut on, a failure leaves a model that cannot be used or sharded again. Not read yet, it changes
-    # once its parts are all made.
-    whole = model.weight_source is None
-    changing = whole
+    # Not read yet, the parts are cut from the checkpoint or the draw, and nothing changes until they are all
+    # made. Loaded whole, the weights go group by group as their parts are cut (never held twice): from then
+    # on, a failure leaves a model that can be neither used nor sharded again.
+    parts = None if model.weight_source is None else _parts_from_source(model, layouts, rank, world)
     try:
-        parts = (_parts_from_weights if whole else _parts_from_source)(model, layouts, rank, world)
-        changing = True
+        if parts is None:
+            parts = _parts_from_weights(model, layouts, rank, world)
         model.params = parts
         model.sharding = Sharding(group.group_name, rank, world, layouts, recompute, model.compute_dtype,
                                   reduce_dtype if world * replicas > 1 else torch.float32, schedule,
@@ -199,10 +198,9 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
         if late and model.trainable:  # (untrainable parts take no gradient, and no hook)
             model.late_parts = LateParts(late, model.sharding.reduce_dtype, replicate.group_name, replicas)
     except BaseException as error:
-        if changing:
-            model.sharding, model.unusable = None, (
-                f"fully_shard of {model.card.name} failed after it began to cut the weights into parts "
-                f"({type(error).__name__}: {error}): this model has lost them; nest.load it again")
+        model.sharding, model.unusable = None, (
+            f"fully_shard of {model.card.name} failed after it began to cut the weights into parts "
+            f"({type(error).__name__}: {error}): this model has lost them; nest.load it again")
         raise
     return model
 
