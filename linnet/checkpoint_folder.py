@@ -5,7 +5,10 @@ linnet/jax/checkpoint.py for JAX).
 `step-00000010.partial/` is filled with the state files, each synced; then
 `MANIFEST.json` (the run's facts and each file's size and SHA-256) is written
 and synced last, and the folder renamed to `step-00000010/`. A crash at any
-moment leaves either a `.partial` folder or a complete checkpoint. `latest`
+moment leaves either a `.partial` folder or a complete checkpoint; a pruned
+checkpoint is renamed to `.deleting` before it is deleted, and one saved again
+goes to `.old` until the new one is in place (where a crash leaves it, it is
+still found). `latest`
 takes the newest folder whose manifest and files check out and passes over
 any other with a warning naming it; when every checkpoint is damaged it
 stops the run, naming each one and its problem, rather than start over on
@@ -125,7 +128,7 @@ def _prune(folder: Path, newest: Path, keep: int, known: dict[str, str | None] |
     leftovers of interrupted writes before it. A later or damaged folder is left for a person (damaged
     ones are checked in full first: a corrupt checkpoint is evidence, and is never deleted silently)."""
     kept = 1
-    for older in sorted(folder.glob("step-????????"), reverse=True):
+    for older in _checkpoints(folder):
         if older.name >= newest.name:
             continue
         problem = _problem_of(older, known)
@@ -141,15 +144,33 @@ def _prune(folder: Path, newest: Path, keep: int, known: dict[str, str | None] |
             shutil.rmtree(leftover)
 
 
+def _checkpoints(folder: Path) -> list[Path]:
+    """The checkpoints, newest first: each `step-N`, and a `step-N.old` whose `step-N` is missing. That is
+    the complete checkpoint of a step being saved again, moved aside just before the new one would have
+    taken its name, when the save stopped there (commit)."""
+    plain = list(folder.glob("step-????????"))
+    orphans = [old for old in folder.glob("step-????????.old") if not old.with_suffix("").exists()]
+    return sorted(plain + orphans, key=lambda path: path.name, reverse=True)
+
+
 def _leftovers(folder: Path) -> list[Path]:
-    """Folders of interrupted writes: never checkpoints, and no other run writes here while this one holds it."""
-    return sorted([*folder.glob("step-????????.partial"), *folder.glob("step-????????.old")])
+    """Folders of interrupted writes and deletions: never checkpoints, and no other run writes here while this
+    one holds it."""
+    orphans = set(_checkpoints(folder))
+    return sorted([*folder.glob("step-????????.partial"), *folder.glob("step-????????*.deleting"),
+                   *(old for old in folder.glob("step-????????.old") if old not in orphans)])
 
 
 def _remove(checkpoint: Path, known: dict[str, str | None] | None) -> None:
-    shutil.rmtree(checkpoint)
+    """Renamed first, so that a deletion cut short leaves a leftover that the next save sweeps away, not a
+    damaged checkpoint (which nothing deletes)."""
+    doomed = checkpoint.with_name(f"{checkpoint.name}.deleting")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.rename(checkpoint, doomed)
     if known is not None:
         known.pop(checkpoint.name, None)
+    shutil.rmtree(doomed)
 
 
 def latest(folder: Path, known: dict[str, str | None] | None = None) -> Path | None:
@@ -159,7 +180,7 @@ def latest(folder: Path, known: dict[str, str | None] | None = None) -> Path | N
     if not folder.exists():
         return None
     passed_over = []
-    for candidate in sorted(folder.glob("step-????????"), reverse=True):
+    for candidate in _checkpoints(folder):
         problem = _problem_of(candidate, known)
         if problem is None:
             for partial in sorted(folder.glob("*.partial")):
@@ -239,7 +260,7 @@ def _fsync_dir(path: Path) -> None:
 def _removable(folder: Path, known: dict[str, str | None] | None) -> list[Path]:
     """What make_room may delete, first to last: leftovers of interrupted writes, then the good checkpoints,
     oldest first, all but the newest. A damaged checkpoint is never among them."""
-    good = [c for c in sorted(folder.glob("step-????????")) if _problem_of(c, known) is None]
+    good = [c for c in reversed(_checkpoints(folder)) if _problem_of(c, known) is None]
     return _leftovers(folder) + good[:-1]
 
 

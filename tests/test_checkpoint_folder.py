@@ -126,3 +126,47 @@ def test_a_folder_of_interrupted_writes_alone_starts_afresh(tmp_path):
     cf.begin(cf.partial_path(tmp_path, 1))
     with pytest.warns(UserWarning, match="step-00000001.partial: an unfinished checkpoint"):
         assert cf.latest(tmp_path) is None
+
+
+def test_a_deletion_cut_short_leaves_a_leftover_that_the_next_save_sweeps_away(tmp_path, monkeypatch):
+    for step in (1, 2):
+        save(tmp_path, step)
+    rmtree = cf.shutil.rmtree
+
+    def killed_partway(path, *args, **kwargs):  # the process dies after the first file is gone
+        next(p for p in sorted(path.iterdir())).unlink()
+        raise SystemExit(f"killed while deleting {path}")
+
+    monkeypatch.setattr(cf.shutil, "rmtree", killed_partway)
+    with pytest.raises(SystemExit):
+        save(tmp_path, 3)  # prunes step 1
+    monkeypatch.setattr(cf.shutil, "rmtree", rmtree)
+    assert names(tmp_path) == ["step-00000001.deleting", "step-00000002", "step-00000003"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing damaged to warn of: the half-deleted one is no checkpoint
+        assert cf.latest(tmp_path).name == "step-00000003"
+        save(tmp_path, 4)
+    assert names(tmp_path) == ["step-00000003", "step-00000004"]
+
+
+def test_a_step_saved_again_and_cut_short_between_its_two_renames_resumes_from_the_old_one(tmp_path, monkeypatch):
+    save(tmp_path, 1, keep=1)
+    save(tmp_path, 2, b"first", keep=1)
+    rename = cf.os.rename
+
+    def killed_after_moving_aside(source, target):
+        rename(source, target)
+        if str(target).endswith(".old"):
+            raise SystemExit("killed after moving the old checkpoint aside")
+
+    monkeypatch.setattr(cf.os, "rename", killed_after_moving_aside)
+    with pytest.raises(SystemExit):
+        save(tmp_path, 2, b"second", keep=1)
+    monkeypatch.setattr(cf.os, "rename", rename)
+    assert names(tmp_path) == ["step-00000002.old", "step-00000002.partial"]
+    with pytest.warns(UserWarning, match="step-00000002.partial: an unfinished checkpoint"):
+        resumed = cf.latest(tmp_path)
+    assert resumed.name == "step-00000002.old" and (resumed / "state.bin").read_bytes() == b"first"
+    assert [p.name for p in cf._removable(tmp_path, None)] == ["step-00000002.partial"]  # never the one to resume
+    save(tmp_path, 3, keep=1)
+    assert names(tmp_path) == ["step-00000003"]
