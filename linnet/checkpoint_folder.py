@@ -35,7 +35,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from linnet.storage import StorageError, free_space, gb, storage_errors, total_size
+from linnet.storage import StorageError, free_space, fsync_dir, gb, storage_errors, total_size
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
@@ -62,9 +62,9 @@ def begin(partial: Path) -> None:
     created = not partial.parent.exists()
     with storage_errors(partial, "create"):
         partial.mkdir(parents=True)
-    _fsync_dir(partial.parent)
+    fsync_dir(partial.parent)
     if created:
-        _fsync_dir(partial.parent.parent)
+        fsync_dir(partial.parent.parent)
 
 
 def discard(partial: Path) -> None:
@@ -91,7 +91,7 @@ def commit(folder: Path, partial: Path, manifest: dict, files: list[tuple[str, i
         json.dump(manifest, f, indent=1, default=default)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(partial)
+    fsync_dir(partial)
     final = folder / partial.name.removesuffix(".partial")
     if final.exists() and _problem_of(final, known) is not None:
         _set_aside(final, _problem_of(final, known))
@@ -106,7 +106,7 @@ def commit(folder: Path, partial: Path, manifest: dict, files: list[tuple[str, i
         os.rename(partial, final)
     if known is not None:
         known[final.name] = None  # its files were hashed as they were written
-    _fsync_dir(folder)
+    fsync_dir(folder)
     _prune(folder, final, keep, known)
     return final
 
@@ -247,14 +247,6 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # Room for the next checkpoint.
 
 def _removable(folder: Path, known: dict[str, str | None] | None) -> list[Path]:
@@ -292,7 +284,7 @@ def make_room(folder: Path, needed: int, known: dict[str, str | None] | None = N
         free = free_space(folder)
         if free >= needed:
             break
-    _fsync_dir(folder)
+    fsync_dir(folder)
     if free < needed:
         raise _no_room(folder, needed, free, 0)
 

@@ -2,13 +2,17 @@
 most `max_shard_size` (with model.safetensors.index.json when there are several)
 and the config.json that `transformers.AutoModelForCausalLM.from_pretrained`
 needs. Each tensor is written as it arrives and dropped, so a 70B model never
-sits in memory whole; the files appear in the folder only once all are complete.
+sits in memory whole; the files appear in the folder only once all are complete,
+all at once: a crash leaves the folder as it was or as it is meant to be, never
+with the files of two saves.
 
     write_hf_checkpoint(card, {name: shape, ...}, iter([(name, tensor), ...]), folder, torch.bfloat16)
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 
 from linnet.cards import Card
+from linnet.storage import fsync_dir
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -89,17 +94,18 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
                         folder: Path, dtype: torch.dtype, *, max_shard_size: int | str = "5GB") -> Path:
     """Writes `tensors` (name, tensor), which must arrive in the order of `shapes`, converted to dtype.
 
-    The files are written in a temporary folder beside `folder` and moved into it when all are
-    complete, replacing the weight files (model*.safetensors, the index) of an earlier save there;
-    other files in `folder` stay. If anything fails before that, nothing is left behind and the
+    The files are written in a temporary folder beside `folder`, which then takes its place whole
+    (`_put_in_place`): the weight files (model*.safetensors, the index) of an earlier save there are
+    replaced, its other files stay. If anything fails before that, nothing is left behind and the
     error, a RuntimeError, names `folder`."""
     check_dtype(dtype)
     folder = Path(folder)
+    real = folder.resolve()  # where a link points: its target's contents are swapped, not the link
     itemsize = dtype.itemsize
     sizes = {name: prod(shape) * itemsize for name, shape in shapes.items()}
     plan = plan_files(sizes, max_shard_size)
     names = _file_names(len(plan))
-    partial = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    partial = real.parent / f".{real.name}.partial-{os.getpid()}"
     try:
         shutil.rmtree(partial, ignore_errors=True)  # what a crashed process of the same id left
         partial.mkdir(parents=True)
@@ -112,10 +118,10 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
         if len(plan) > 1:
             totals = {"total_parameters": sum(prod(s) for s in shapes.values()), "total_size": sum(sizes.values())}
             index = {"metadata": totals, "weight_map": {n: file for file, in_file in zip(names, plan) for n in in_file}}
-            (partial / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            _write_text(partial / _INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
         config = {**computed_config(card), "torch_dtype": _DTYPE_NAMES[dtype]}
-        (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _move_into(folder, partial)
+        _write_text(partial / "config.json", json.dumps(config, indent=2) + "\n")
+        _put_in_place(real, partial)
     except Exception as error:
         raise RuntimeError(f"writing the weights to {folder} failed: {type(error).__name__}: {error}") from error
     finally:
@@ -150,12 +156,69 @@ def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterato
         os.fsync(f.fileno())
 
 
-def _move_into(folder: Path, partial: Path) -> None:
-    """Moves the finished files in, the index last; removes the weight files of an earlier save they do not replace."""
-    folder.mkdir(parents=True, exist_ok=True)
-    written = {path.name for path in partial.iterdir()}
-    for stale in folder.iterdir():
-        if _WEIGHT_FILE.fullmatch(stale.name) and stale.name not in written and stale.is_file():
-            stale.unlink()
-    for name in sorted(written, key=lambda n: n == _INDEX):
-        os.replace(partial / name, folder / name)
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _put_in_place(folder: Path, partial: Path) -> None:
+    """Makes the finished `partial` the contents of `folder` in one step. The entries of an earlier
+    `folder` that this save does not replace (a tokenizer's files, say; not its stale weight files)
+    are first linked into `partial`; then the two folders' names are exchanged atomically, and the
+    old contents, now at `partial`, go with it. Where the system cannot exchange two names (not
+    Linux), `folder` is moved aside and `partial` renamed in: a crash between the two renames
+    leaves no `folder`, and its old contents whole at `.NAME.old-PID` beside it."""
+    fsync_dir(partial)
+    if not folder.exists():
+        os.rename(partial, folder)
+    else:
+        written = {path.name for path in partial.iterdir()}
+        for entry in folder.iterdir():
+            if entry.name not in written and not _WEIGHT_FILE.fullmatch(entry.name):
+                _link(entry, partial / entry.name)
+        fsync_dir(partial)
+        if not _exchange(partial, folder):
+            aside = folder.parent / f".{folder.name}.old-{os.getpid()}"
+            os.rename(folder, aside)
+            try:
+                os.rename(partial, folder)
+            except BaseException:
+                os.rename(aside, folder)
+                raise
+            os.rename(aside, partial)  # removed with the temporary folder
+    fsync_dir(folder.parent)
+
+
+def _link(source: Path, target: Path) -> None:
+    """`source` at `target` too, without copying its bytes where the file system allows (a hard link)."""
+    if source.is_symlink():
+        os.symlink(os.readlink(source), target)
+    elif source.is_dir():
+        shutil.copytree(source, target, symlinks=True, copy_function=_link_file)
+    else:
+        _link_file(source, target)
+
+
+def _link_file(source, target) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(source, target)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps the names of two paths atomically (Linux's renameat2, RENAME_EXCHANGE); False where the
+    system or the file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))

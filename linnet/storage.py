@@ -9,7 +9,8 @@ a directory (or can be made one) that this process can write into;
 `storage_errors` turns a write's failure for a full, read-only or misplaced
 folder into a `StorageError` naming the path and the cause; `free_space`,
 `total_size` and `gb` measure the disk and the checkpoints for
-linnet/checkpoint_folder.py's check_room and make_room."""
+linnet/checkpoint_folder.py's check_room and make_room; `fsync_dir` makes a
+folder's new entries durable (linnet/export.py's weights too)."""
 
 from __future__ import annotations
 
@@ -116,3 +117,12 @@ def total_size(path: Path) -> int:
 
 def gb(size: int) -> str:
     return f"{size / 1e9:.3g} GB"
+
+
+def fsync_dir(path: Path) -> None:
+    """Syncs a folder, so that the entries made or renamed in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import run
+import linnet.export
 from linnet import nest
 from linnet.cards import resolve
 from linnet.export import computed_config, parse_size, plan_files, write_hf_checkpoint
@@ -88,6 +90,72 @@ def test_a_new_save_replaces_the_weight_files_of_an_earlier_one(tmp_path):
     write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(2).items()), folder, torch.float32, max_shard_size=200)
     assert "model.safetensors" not in weight_files(folder) and "README.md" in weight_files(folder)
     assert list(tmp_path.iterdir()) == [folder]
+
+
+def folder_contents(folder: Path) -> dict[str, bytes | str]:
+    """Every entry under `folder`, by relative path: a file's bytes, a link's target."""
+    return {str(path.relative_to(folder)): os.readlink(path) if path.is_symlink() else path.read_bytes()
+            for path in sorted(folder.rglob("*")) if path.is_symlink() or path.is_file()}
+
+
+def a_folder_saved_into_with_files_of_its_own(folder: Path) -> None:
+    write_hf_checkpoint(CARD, SHAPES, iter(random_tensors().items()), folder, torch.float32, max_shard_size=200)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "runs").mkdir()
+    (folder / "runs" / "log.txt").write_text("step 1")
+    (folder / "latest").symlink_to("runs")
+
+
+@pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
+def test_a_save_puts_its_files_in_place_at_once_and_keeps_the_folders_own(tmp_path, monkeypatch, exchange):
+    folder = tmp_path / "out"
+    a_folder_saved_into_with_files_of_its_own(folder)
+    before = folder_contents(folder)
+    if exchange == "two renames":  # as where renameat2 is missing (not Linux)
+        monkeypatch.setattr(linnet.export, "_exchange", lambda a, b: False)
+    write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(1).items()), folder, torch.float32, max_shard_size=200)
+    after = folder_contents(folder)
+    own = ["latest", "runs/log.txt", "tokenizer.json"]
+    assert {name: after[name] for name in own} == {name: before[name] for name in own}
+    assert after.keys() == before.keys() and all(after[name] != before[name] for name in after
+                                                 if name.startswith("model-"))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
+def test_a_save_cut_short_as_it_puts_its_files_in_place_leaves_the_earlier_one_whole(tmp_path, monkeypatch,
+                                                                                      exchange):
+    folder = tmp_path / "out"
+    a_folder_saved_into_with_files_of_its_own(folder)
+    before = folder_contents(folder)
+    if exchange == "renameat2":
+        def cut_short(a, b):
+            raise KeyboardInterrupt("at the exchange")
+        monkeypatch.setattr(linnet.export, "_exchange", cut_short)
+    else:
+        rename, renamed = os.rename, []
+
+        def cut_short(source, target):  # the second rename, moving the new folder in, fails
+            renamed.append(target)
+            if len(renamed) == 2:
+                raise OSError(errno.EIO, "the disk went away")
+            rename(source, target)
+        monkeypatch.setattr(linnet.export, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(linnet.export.os, "rename", cut_short)
+    with pytest.raises((KeyboardInterrupt, RuntimeError)):
+        write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(1).items()), folder, torch.float32,
+                            max_shard_size=200)
+    assert folder_contents(folder) == before and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_save_through_a_link_replaces_what_it_points_to(tmp_path):
+    target, link = tmp_path / "weights-v1", tmp_path / "out"
+    a_folder_saved_into_with_files_of_its_own(target)
+    link.symlink_to(target.name)
+    write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(1).items()), link, torch.float32)
+    assert link.is_symlink() and "model.safetensors" in folder_contents(target)
+    assert "tokenizer.json" in folder_contents(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "weights-v1"]
 
 
 def test_several_files_load_in_transformers_and_back_in_linnet(tmp_path):
