@@ -85,6 +85,19 @@ def test_unknown_name_and_wrong_return():
     expect(source, line, "returns T[", "f32[")
 
 
+def test_a_return_before_a_functions_end_is_refused():
+    source, line = broken("        x = decoder_layer(x, w, cos, sin, mask)\n",
+                          "        x = decoder_layer(x, w, cos, sin, mask)\n        return x\n")
+    expect(source, line + 1, "`return` only as a function's last statement")
+
+
+def test_a_value_carried_through_the_layers_must_keep_its_type():
+    source, line = broken("    for w in Layer:\n        x = decoder_layer(x, w, cos, sin, mask)\n",
+                          "    for w in Layer:\n        x = linear(decoder_layer(x, w, cos, sin, mask), w.gate_proj)\n")
+    expect(source, line, "`x` is T[Batch, MaxSeq, D] before the loop and T[Batch, MaxSeq, Ffn] after a pass of it",
+           "from one Layer to the next")
+
+
 def test_statements_and_declarations_outside_the_language():
     source, line = broken("    return x\n\n\n@entry", "    print(x)\n    return x\n\n\n@entry")
     expect(source, line, "expected an assignment")
@@ -98,6 +111,7 @@ def test_statements_and_declarations_outside_the_language():
     ("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)", "    part = rms_norm(x, w.input_layernorm, eps=norm_eps)",
      "`part` is reserved for generated code"),  # the scheduled layer loop's local
     ("def decoder_layer(x", "def decoder_layer_region(x", "any name ending in _region"),
+    ("def decoder_layer(x", "def silu(x", "`silu` is a primitive of the card language"),  # the emitted one lost
     ("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)", "    h_weights = rms_norm(x, w.input_layernorm, eps=norm_eps)",
      "any name ending in _weights"),
 ])
@@ -179,6 +193,21 @@ def test_a_llama3_scaling_lacking_a_key_is_refused(key):
 ])
 def test_rope_scalings_rope_cannot_compute_are_refused(scaling, fragment):
     refused({**CONFIG, "rope_scaling": scaling}, LLAMA, fragment)
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("tie_word_embeddings", "false", '[config] tie_word_embeddings = "false" must be true or false: it says whether '
+                                     'weight lm_head is tied to Embedding.embed_tokens'),
+    ("rms_norm_eps", "1e-5", 'rms_norm_eps = "1e-5": rms_norm() needs a positive number for eps'),
+    ("rms_norm_eps", -1e-5, "rms_norm_eps = -1e-05: rms_norm() needs a positive number for eps"),
+])
+def test_a_setting_of_the_wrong_kind_is_refused_by_name(key, value, fragment):
+    refused({**CONFIG, key: value}, LLAMA, fragment)
+
+
+def test_an_odd_head_dimension_is_refused_where_rope_rotates_halves():
+    with pytest.raises(CardError, match=r"rope\(\): the head dimension, rotated in halves: HeadDim = 25 does not divide by 2"):
+        check_program(parse_program(LLAMA, "family.arch"), {**CONFIG, "head_dim": 25}, "mine.toml")
 
 
 @pytest.mark.parametrize("key, value, computed", [

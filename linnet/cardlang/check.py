@@ -75,6 +75,11 @@ def check_program(program: Program, config: dict, config_path: str) -> Checked:
             free = [n for d in weight.dims for n in d.substitute(dims).names]
             if free:
                 raise CardError(program.path, weight.line, f"weight {weight.name} has generic dimensions {free}; weights need fixed shapes")
+            if weight.tied_if is not None and not isinstance(consts[weight.tied_if], bool):
+                decl = program.consts[weight.tied_if]
+                raise CardError(config_path, None, f"[config] {decl.config_key} = {_json(consts[weight.tied_if])} must be "
+                                                   f"true or false: it says whether weight {weight.name} is tied to "
+                                                   f"{'.'.join(weight.tied_to)} ({program.path}:{weight.line})")
     for function in program.functions.values():
         _FunctionChecker(checked, function, config_path).run()
     _reject_recursion(program)
@@ -110,6 +115,10 @@ class _FunctionChecker:
         if not body or not isinstance(body[-1], ast.Return):
             self.node = body[-1] if body else None
             self.fail("a function must end with `return`")
+        for node in ast.walk(ast.Module(body[:-1], [])):
+            if isinstance(node, ast.Return):
+                self.node = node
+                self.fail("`return` only as a function's last statement (a function returns once, after its loops)")
         self.block(body)
 
     def block(self, statements: list[ast.stmt]) -> None:
@@ -134,7 +143,13 @@ class _FunctionChecker:
                 self.fail("a loop must be `for w in Group:` over a repeated group")
             self.check_assignable(node.target.id)
             self.env[node.target.id] = GroupType(group.name)
+            before = dict(self.env)
             self.block(node.body)
+            self.node = node
+            for name, value in before.items():  # what one pass leaves is what the next pass starts from
+                if not self.same(self.env[name], value):
+                    self.fail(f"`{name}` is {value} before the loop and {self.env[name]} after a pass of it: a value "
+                              f"carried from one {group.name} to the next must keep its type")
         else:
             self.fail(f"expected an assignment, a `for w in Group:` loop or `return`, got `{ast.unparse(node).splitlines()[0]}`")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 
 from linnet.cardlang.errors import CardError
+from linnet.cardlang.primitives import PRIMITIVES
 from linnet.cardlang.program import (
     ConstDecl,
     DimDecl,
@@ -168,6 +169,8 @@ class _Parser:
             raise self.error(node, f"`{name}` is a word of the card language and cannot be redeclared")
         if why := reserved(name):
             raise self.error(node, f"{why}; choose another name")
+        if name in PRIMITIVES:
+            raise self.error(node, f"`{name}` is a primitive of the card language; choose another name")
         if self.program.declared(name):
             raise self.error(node, f"`{name}` is declared twice")
 

@@ -103,7 +103,9 @@ def _embedding(call: CallTypes):
 def _rms_norm(call: CallTypes):
     x = call.tensor(0, dtype=call.compute)
     weight = call.tensor(1, dtype=call.compute, rank=1)
-    call.const("eps")
+    eps = call.const("eps")
+    if not _positive_number(eps.value):
+        call.unsupported(eps, "needs a positive number for eps")
     call.same(x.dims[-1], weight.dims[0], "the input's last dimension against the weight")
     return x
 
@@ -142,6 +144,7 @@ _ROPE_SCALINGS = {"default": (), "llama3": ("factor", "low_freq_factor", "high_f
 def _rope(call: CallTypes):
     positions = call.tensor(0, dtype="i32", rank=2)
     head_dim = call.dim(1)
+    call.divide(head_dim, Dim.const(2), "the head dimension, rotated in halves")
     theta = call.const("theta")
     if not _positive_number(theta.value):
         call.unsupported(theta, "needs a positive number for theta")
