@@ -30,7 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(card, steps: int, checkpoint: Path, out: Path) -> dict:
+def run_two_processes(card, steps: int, checkpoint: Path | str, out: Path, *, failing: bool = False) -> dict | list[str]:
+    """The losses the first process writes; with `failing`, each process's error, both having stopped."""
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
@@ -41,7 +42,9 @@ def run_two_processes(card, steps: int, checkpoint: Path, out: Path) -> dict:
                  for index in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in processes]
     for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-3000:]
+        assert process.returncode == (3 if failing else 0), output[-3000:]
+    if failing:
+        return [Path(f"{out}.error-{index}").read_text() for index in range(2)]
     return json.loads(out.read_text())
 
 
@@ -103,3 +106,23 @@ def test_a_process_fetches_an_array_from_its_own_devices_blocks():
 
     with pytest.raises(ValueError, match=r"split over several processes"):
         shard._assemble(Partial())
+
+
+def test_processes_that_find_different_checkpoints_stop_together_naming_each(card, tmp_path):
+    """Each process reads the checkpoint folder itself (as on machines whose disks are their own): one that
+    finds step 2 and one that finds none would train different weights as one run."""
+    jax_train.train(load(card), rows(4 * 4), optimizer=adamw(), steps=2, mesh=mesh(4), on_step=lambda step: None,
+                    checkpoint=tmp_path / "run-0")
+    errors = run_two_processes(card, 3, f"{tmp_path}/run-{{process}}", tmp_path / "out.json", failing=True)
+    for index, error in enumerate(errors):
+        assert error.startswith("ValueError: the processes found different checkpoints to resume from (step 2 on "
+                                f"process 0, step 0 on process 1; {tmp_path}/run-{index} on process {index})"), error
+
+
+def test_a_save_that_fails_on_the_first_process_stops_every_process(card, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "step-00000002.partial").write_text("a file where the save makes its folder")
+    errors = run_two_processes(card, 2, tmp_path / "run", tmp_path / "out.json", failing=True)
+    assert "step-00000002.partial" in errors[0], errors[0]
+    assert errors[1] == f"RuntimeError: saving a checkpoint into {tmp_path / 'run'} failed on process 0; its own error says why"
+

@@ -40,6 +40,8 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
+from pathlib import Path
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,8 @@ from linnet.jax.xla import xla_options
 from linnet.packing import LOSS_PACKED_INPUTS, Row, stack_rows
 
 __all__ = ["default_mesh", "evaluate", "own_rows", "train"]
+
+T = TypeVar("T")
 
 
 def train(
@@ -124,7 +128,9 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
         rows: Iterator[Row] = iter(batches)
         rows_consumed = 0  # over every run that led here
         if checkpointer is not None:
-            history.resumed_from, parts, opt_state = checkpointer.resume(parts, opt_state)
+            history.resumed_from, parts, opt_state = _on_every_process(
+                f"resuming from {checkpointer.folder}", lambda: checkpointer.resume(parts, opt_state))
+            _same_step_on_every_process(history.resumed_from, checkpointer.folder)
             if history.resumed_from > steps:
                 raise ValueError(f"the checkpoint in {checkpointer.folder} is at step {history.resumed_from}, "
                                  f"past steps={steps}")
@@ -160,7 +166,8 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             history.steps.append(record)
             report(record)
             if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
-                checkpointer.save(step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size)
+                _on_every_process(f"saving a checkpoint into {checkpointer.folder}", lambda: checkpointer.save(
+                    step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size))
     finally:  # however the run ends, the model holds its weights as parts, a flat one a layer
         del opt_state  # first: the layers are briefly held twice while they are cut apart
         parts = shard.unstack_layers(parts)
@@ -319,6 +326,39 @@ def _attention_kernel(model: JaxModel, mesh: Mesh, segments: np.ndarray) -> int 
     if model.numerics != "fast" or mesh.devices.flat[0].platform != "gpu":
         return None
     return prims_jax.rows_kernel(segments)
+
+
+def _on_every_process(what: str, action: Callable[[], T]) -> T:
+    """`action()` here; over several processes, each learns whether every one's succeeded, and all raise where
+    any failed (the first process's save, say), rather than leave the others waiting in the next collective."""
+    try:
+        result, failure = action(), None
+    except Exception as error:
+        result, failure = None, error
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(failure is not None)))
+        if failure is None and failed.any():
+            raise RuntimeError(f"{what} failed on process {', '.join(map(str, np.flatnonzero(failed)))}; "
+                               f"its own error says why")
+    if failure is not None:
+        raise failure
+    return result
+
+
+def _same_step_on_every_process(step: int, folder: Path) -> None:
+    """Each process reads the checkpoint folder itself: all must have found the same step."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    steps = np.asarray(multihost_utils.process_allgather(np.int64(step))).tolist()
+    if len(set(steps)) > 1:
+        found = ", ".join(f"step {s} on process {i}" for i, s in enumerate(steps))
+        raise ValueError(f"the processes found different checkpoints to resume from ({found}; {folder} on "
+                         f"process {jax.process_index()}): every process resumes from the folder the first one "
+                         f"writes, so it must be one folder that all of them see")
 
 
 def _agreed_kernel(kernel: int | None) -> int | None:
