@@ -94,3 +94,15 @@ def test_compiled_equals_eager(case):
     compiled = run(card, "torch", "fast", "f32", tokens, targets, weights, compile="inductor")
     assert (compiled[0] - eager[0]).abs().max() < 1e-5
     assert abs(compiled[1] - eager[1]) < 1e-5
+
+
+@pytest.mark.parametrize("theta, scaling", [(500000.0, LLAMA3_SCALING), (10000.0, None)], ids=["llama3", "plain"])
+def test_jax_rope_tables_are_torchs_at_long_positions(theta, scaling):
+    """The angles grow with the position, and so does an ulp in a frequency: at 8,192 positions, one ulp in
+    Llama 3's frequencies (numpy's f32 power) moved the tables by 5e-4."""
+    from linnet.emit import prims_jax, prims_torch
+
+    positions = np.arange(8192, dtype=np.int32)[None]
+    expected = prims_torch.rope(torch.from_numpy(positions), 128, theta, scaling)
+    for table, want in zip(prims_jax.rope(positions, 128, theta, scaling), expected):
+        np.testing.assert_allclose(np.asarray(table), want.numpy(), rtol=0, atol=1e-6)  # cos, sin: XLA's own

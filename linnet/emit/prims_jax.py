@@ -44,15 +44,19 @@ def merge_heads(x):
 
 def rope(positions, head_dim, theta, scaling):
     # The inverse frequencies in f32 as transformers computes them; they are
-    # constants, so numpy computes them once at trace time. The card's check
-    # allows no scaling, "default" or "llama3".
-    inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)))).astype(np.float32)
+    # constants, so numpy computes them once at trace time. The power is taken
+    # in f64 and rounded: numpy's f32 power is an ulp off torch's in 13 of
+    # Llama 3's 64 (which then grows with the position); rounded, none. The
+    # card's check allows no scaling, "default" or "llama3".
+    exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float64(theta) ** exponents.astype(np.float64)).astype(np.float32)).astype(np.float32)
     if scaling is not None and scaling["rope_type"] == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         context = scaling["original_max_position_embeddings"]
-        wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+        # torch divides a number by a tensor as the tensor's reciprocal times the number: so here too.
+        wavelen = (np.float32(1) / inv_freq) * np.float32(2 * math.pi)
         scaled = np.where(wavelen > context / low, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
-        smooth = ((context / wavelen - low) / (high - low)).astype(np.float32)
+        smooth = (((np.float32(1) / wavelen) * np.float32(context) - np.float32(low)) / np.float32(high - low)).astype(np.float32)
         smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
         medium = ~(wavelen < context / high) & ~(wavelen > context / low)
         inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
