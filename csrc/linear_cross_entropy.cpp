@@ -108,6 +108,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_forward(
       weights.sizes(),
       " on ",
       weights.device());
+  TORCH_CHECK(
+      targets.dim() == 1 && targets.size(0) == rows && targets.device() == hidden.device(),
+      "linear_cross_entropy: targets must be one per row (",
+      rows,
+      ") on hidden's device, got shape ",
+      targets.sizes(),
+      " on ",
+      targets.device());
   TORCH_CHECK(chunk_rows >= 1, "linear_cross_entropy: chunk_rows must be at least 1, got ", chunk_rows);
   // The loss is the mean over the weights (as the generated cross_entropy): each row's gradient is
   // its weight over their sum, which a zero sum leaves zero rather than NaN.

@@ -2,6 +2,7 @@
 // every device: the views of a gathered buffer. Importing the module
 // linnet._C (csrc/module.cpp) registers them all.
 #include <ATen/ATen.h>
+#include <algorithm>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
@@ -42,7 +43,14 @@ std::vector<at::Tensor> group_views(
         " runs past the ",
         shapes.size(),
         " entries of shapes; expected sum(ndims) == len(shapes)");
-    int64_t numel = c10::multiply_integers(shapes.slice(dim, ndims[i]));
+    const auto shape = shapes.slice(dim, ndims[i]);
+    TORCH_CHECK(
+        std::all_of(shape.begin(), shape.end(), [](int64_t size) { return size >= 0; }),
+        "group_views: tensor ",
+        i,
+        " has a negative size in its shape ",
+        shape);
+    int64_t numel = c10::multiply_integers(shape);
     dim += ndims[i];
     TORCH_SYM_CHECK(
         total.sym_ge(offsets[i] + numel).sym_and(c10::SymBool(offsets[i] >= end)),

@@ -129,6 +129,9 @@ def test_bad_input_is_named(device):
         ops.linear_cross_entropy(hidden, head.double(), targets, weights)
     with pytest.raises(RuntimeError, match="weights must be one per row"):
         ops.linear_cross_entropy(hidden, head, targets, weights[1:])
+    for wrong in (torch.cat([targets, targets]), targets[1:], targets[None]):  # more were read as none
+        with pytest.raises(RuntimeError, match=r"targets must be one per row \(\d+\) on hidden's device, got shape"):
+            ops.linear_cross_entropy(hidden, head, wrong, weights)
     with pytest.raises(RuntimeError, match="targets must be integers, one per row"):
         ops.linear_cross_entropy(hidden, head, targets.float(), weights)
     with pytest.raises(RuntimeError, match="chunk_rows must be at least 1"):

@@ -182,7 +182,8 @@ def test_group_views_gradient_reaches_the_flat_buffer():
     "offsets, shapes, ndims, message",
     [([0, 16], [3, 2, 5], [2, 2], "runs past the 3 entries of shapes"),
      ([0, 30], [3, 2, 5], [2, 1], "does not fit in the flat buffer of 32"),
-     ([0], [3, 2, 5], [2], "expected sum\\(ndims\\) == len\\(shapes\\)")],
+     ([0], [3, 2, 5], [2], "expected sum\\(ndims\\) == len\\(shapes\\)"),
+     ([0, 16], [-3, 2, 5], [2, 1], "tensor 0 has a negative size in its shape \\[-3, 2\\]")],
 )
 def test_group_views_rejects_bad_arguments(offsets, shapes, ndims, message):
     with pytest.raises(RuntimeError, match=message):
