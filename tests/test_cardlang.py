@@ -98,6 +98,34 @@ def test_a_value_carried_through_the_layers_must_keep_its_type():
            "from one Layer to the next")
 
 
+@pytest.mark.parametrize("old, new, fragment", [
+    ('"model.layers.{i}.mlp.up_proj.weight"', '"model.layers.mlp.up_proj.weight"',
+     "lacks {i}: group Layer repeats, and each layer's weights need names of their own"),
+    ('"model.layers.{i}.mlp.up_proj.weight"', '"model.layers.{j}.mlp.up_proj.weight"',
+     "may hold {i}, the layer's number, in a repeated group only; got {j}"),
+    ('"model.layers.{i}.mlp.up_proj.weight"', '"model.layers.{i.mlp.up_proj.weight"', "is not a name template"),
+    ('"model.layers.{i}.mlp.up_proj.weight"', '"model.layers.{i}.mlp.down_proj.weight"',
+     "'model.layers.{i}.mlp.down_proj.weight' is Layer.up_proj's too"),
+    ('embed_tokens: W[Vocab, D] = "model.embed_tokens.weight"', 'embed_tokens: W[Vocab, D] = "model.embed_tokens.{i}"',
+     "may hold {i}, the layer's number, in a repeated group only; got {i}"),
+])
+def test_checkpoint_names_that_would_load_the_wrong_weight_are_refused_at_their_line(old, new, fragment):
+    source = LLAMA.replace(old, new, 1)
+    line = line_of(source, new) if "is Layer.up_proj's too" not in fragment else line_of(source, "down_proj: W")
+    expect(source, line, fragment)
+
+
+@pytest.mark.parametrize("old, new, fragment", [
+    ("cos: f32[Batch, MaxSeq, HeadDim], sin: f32", "cos: f32[Batch, MaxSeq, HeadDim], cos: f32",
+     "function decoder_layer: parameter cos is named twice"),
+    ("def logits(tokens: i32[Batch, MaxSeq])", "def logits(tokens: i32[Batch, MaxSeq], mask: Mask[Batch, MaxSeq])",
+     "entry logits: parameter mask is Mask[Batch, MaxSeq]; an entry takes tensors only"),
+])
+def test_parameters_a_call_could_not_give_are_refused(old, new, fragment):
+    source, line = broken(old, new)
+    expect(source, line, fragment)
+
+
 def test_statements_and_declarations_outside_the_language():
     source, line = broken("    return x\n\n\n@entry", "    print(x)\n    return x\n\n\n@entry")
     expect(source, line, "expected an assignment")

@@ -19,6 +19,7 @@ else are resolved here, and every mistake names the file and line."""
 from __future__ import annotations
 
 import ast
+import string
 
 from linnet.cardlang.errors import CardError
 from linnet.cardlang.primitives import PRIMITIVES
@@ -62,9 +63,13 @@ def _is_docstring(node: ast.stmt) -> bool:
 class _Parser:
     def __init__(self, program: Program):
         self.program = program
+        self.checkpoint_names: dict[str, str] = {}  # a weight's checkpoint name -> Group.weight
 
     def error(self, node: ast.AST | None, message: str) -> CardError:
-        return CardError(self.program.path, getattr(node, "lineno", None), message)
+        return self.error_at(getattr(node, "lineno", None), message)
+
+    def error_at(self, line: int | None, message: str) -> CardError:
+        return CardError(self.program.path, line, message)
 
     # Module-level declarations.
 
@@ -198,6 +203,7 @@ class _Parser:
             if index == 0 and _is_docstring(item):
                 continue
             weights.append(self.weight(item, node.name, weights))
+            self.check_checkpoint_name(weights[-1], node.name, repeated=repeat is not None)
         if not weights:
             raise self.error(node, f"group {node.name} declares no weights")
         self.program.groups[node.name] = GroupDecl(node.name, repeat, tuple(weights), node.lineno)
@@ -236,6 +242,23 @@ class _Parser:
                 raise self.error(item, f"weight {name}: tied_if= must name a declared const")
             tied_if = tied_if_node.id
         return WeightDecl(name, dims, value.args[0].value, init, tied_to, tied_if, item.lineno)
+
+    def check_checkpoint_name(self, weight: WeightDecl, group: str, repeated: bool) -> None:
+        """A repeated group's names hold the layer's number, `{i}`; no name is another's."""
+        where = f"weight {weight.name}: its checkpoint name {weight.checkpoint_name!r}"
+        try:
+            fields = {field for _, field, _, _ in string.Formatter().parse(weight.checkpoint_name) if field is not None}
+        except ValueError as error:
+            raise self.error_at(weight.line, f"{where} is not a name template ({error})") from None
+        if fields - {"i"} or (fields and not repeated):
+            raise self.error_at(weight.line, f"{where} may hold {{i}}, the layer's number, in a repeated group only; "
+                                             f"got {', '.join(sorted(f'{{{f}}}' for f in fields))}")
+        if repeated and not fields:
+            raise self.error_at(weight.line, f"{where} lacks {{i}}: group {group} repeats, and each layer's weights "
+                                             f"need names of their own")
+        other = self.checkpoint_names.setdefault(weight.checkpoint_name, f"{group}.{weight.name}")
+        if other != f"{group}.{weight.name}":
+            raise self.error_at(weight.line, f"{where} is {other}'s too")
 
     def tied_target(self, node: ast.expr, dims: tuple[Dim, ...], item: ast.stmt) -> tuple[str, str]:
         if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
@@ -300,6 +323,12 @@ class _Parser:
         if arguments.vararg or arguments.kwarg or arguments.kwonlyargs or arguments.defaults or arguments.posonlyargs:
             raise self.error(node, f"function {node.name}: only plain positional parameters with types are allowed")
         params = [Param(a.arg, self.type(a.annotation, f"parameter {a.arg} of {node.name}"), a.lineno) for a in arguments.args]
+        for index, param in enumerate(params):
+            if any(other.name == param.name for other in params[:index]):
+                raise self.error_at(param.line, f"function {node.name}: parameter {param.name} is named twice")
+            if decorators and not isinstance(param.type, TensorType):
+                raise self.error_at(param.line, f"entry {node.name}: parameter {param.name} is {param.type}; an entry "
+                                                f"takes tensors only (a mask is made inside, from the tokens or segments)")
         returns = self.type(node.returns, f"the return of {node.name}")
         body = list(node.body)
         if body and _is_docstring(body[0]):
