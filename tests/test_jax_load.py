@@ -187,8 +187,10 @@ def test_evaluate_after_training_runs_over_the_training_mesh(tmp_path):
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits(recompute):
-    """The fast numerics' loss over 4 chunks of 1024 positions, in both forms (each chunk's gradients
+@pytest.mark.parametrize("seq", [4096, 2050])
+def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits(recompute, seq):
+    """The fast numerics' loss over 4 chunks of 1024 positions (or 3 of 684, the last padded by two), in
+    both forms (each chunk's gradients
     made in the forward, or each chunk recomputed in the backward, as train runs it with remat): the
     loss and both gradients of the exact form (f32 inputs: 1e-5), the loss alone undifferentiated too,
     and XLA's scratch memory for its gradient (the CPU's compiler) below one row's f32 logits, where the
@@ -199,7 +201,7 @@ def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits(recomput
         return prims_jax.cross_entropy_chunked(*inputs, recompute=recompute)
 
     keys = jax.random.split(jax.random.key(0), 4)
-    seq, width, vocab = 4096, 32, 500
+    width, vocab = 32, 500
     hidden = jax.random.normal(keys[0], (2, seq, width), jnp.float32)
     head = jax.random.normal(keys[1], (vocab, width), jnp.float32) * 0.1
     targets = jax.random.randint(keys[2], (2, seq), 0, vocab)
@@ -229,7 +231,8 @@ def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits(recomput
 
     # Measured: 49.2 MB (three rows of f32 logits) against 13.6 MB in one pass, 14.4 MB recomputed (a few
     # chunks' logits), which stays about so at twice the row (98.4 MB against 14.7 and 16.5 MB).
-    assert scratch(prims_jax.cross_entropy) > 2 * logits_bytes and scratch(chunked) < logits_bytes
+    if seq == 4096:  # (a row of three chunks holds about a row's logits in a few chunks': 8.9 MB against 8.2)
+        assert scratch(prims_jax.cross_entropy) > 2 * logits_bytes and scratch(chunked) < logits_bytes
 
 
 def test_the_recomputed_loss_carries_no_sum_through_a_loop():

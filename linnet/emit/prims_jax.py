@@ -194,8 +194,9 @@ def cross_entropy(hidden, head, targets, weights):
 
 
 def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
-    # The head's matmul and the loss 1024 positions at a time (or fewer, dividing the row): f32 logits of
-    # one chunk live at a time, never of the whole row. Differentiated, each chunk's gradients are made
+    # The head's matmul and the loss at most 1024 positions at a time, in chunks as even as they come (a
+    # row of 4,097 positions: five of 820, the last three padded with weight zero): f32 logits of one
+    # chunk live at a time, never of the whole row. Differentiated, each chunk's gradients are made
     # where its logits are (softmax less the target, times the weight), the head's summed in f32, in one
     # of two forms:
     # - one pass (default): in the forward, so that the backward only scales them (three matmuls a chunk,
@@ -211,7 +212,9 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
     # GiB); without remat the one-pass form is the quicker (1B: 0.081 s; recomputed 0.086 s; one pass with
     # the stacked sum 0.087 s). The loss weights are data: no gradient flows to them.
     batch, seq, width = hidden.shape
-    chunk = math.gcd(seq, 1024)
+    count = -(-seq // 1024)
+    chunk = -(-seq // count)
+    padded = count * chunk
     weights = jax.lax.stop_gradient(weights)
 
     def varying(x):  # the shard_map axes x varies over (jax 0.10's name for them; earlier ones said vma)
@@ -226,8 +229,13 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
     if missing:
         head = jax.lax.pcast(head, missing, to="varying")
 
-    def split(x):  # (B, S, ...) -> (S / chunk, B, chunk, ...)
-        return x.reshape(batch, seq // chunk, chunk, *x.shape[2:]).swapaxes(0, 1)
+    def split(x):  # (B, S, ...) -> (count, B, chunk, ...), padded with zeros (weight zero: no loss, no gradient)
+        if padded > seq:
+            x = jnp.pad(x, [(0, 0), (0, padded - seq)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(batch, count, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    def joined(chunks):  # (count, B, chunk, D) -> (B, S, D)
+        return chunks.swapaxes(0, 1).reshape(batch, padded, width)[:, :seq]
 
     def chunk_losses(h, head, t, w, with_gradients):
         logits = jnp.einsum("bsd,vd->bsv", h, head).astype(jnp.float32)  # (B, chunk, Vocab)
@@ -255,7 +263,7 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
         chunks = (split(hidden), split(targets), split(weights))
         d_head, (loss, d_hidden) = step(0.0, [c[0] for c in chunks])
         d_head, (losses, d_hiddens) = jax.lax.scan(step, d_head, [c[1:] for c in chunks])
-        d_hidden = jnp.concatenate([d_hidden[None], d_hiddens]).swapaxes(0, 1).reshape(hidden.shape)
+        d_hidden = joined(jnp.concatenate([d_hidden[None], d_hiddens]))
         return loss + jnp.sum(losses), (d_hidden, d_head.astype(head.dtype))
 
     def gradients_stacked(hidden, head, targets, weights):
@@ -265,7 +273,7 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
 
         d_hiddens, d_heads = jax.lax.map(chunk_gradients, (split(hidden), split(targets), split(weights)))
         d_head = jnp.sum(d_heads.astype(jnp.float32), axis=0).astype(head.dtype)
-        return d_hiddens.swapaxes(0, 1).reshape(hidden.shape), d_head
+        return joined(d_hiddens), d_head
 
     def summed_forward(hidden, head, targets, weights):
         if recompute:
