@@ -368,6 +368,20 @@ def test_a_reduction_goes_on_across_replicas(shape):
     run(_across_replicas, shape[0] * shape[1], shape)
 
 
+def _averaged_in_bf16_rounded_once(rank: int, world: int) -> None:
+    # Each rank sends the same f32 gradient: its bf16 contribution is x / 3 rounded once (as the CUDA
+    # kernel rounds it), and three equal contributions sum exactly (2y is exact) to one more rounding.
+    full = _random(world * 64, 90)
+    reduced = ops.wait(ops.reduce_scatter(full.clone(), "avg", torch.bfloat16, world, _group_name()))
+    contribution = (full * (1 / world)).to(torch.bfloat16)
+    expected = (contribution.float() * world).to(torch.bfloat16).float()[rank * 64:(rank + 1) * 64]
+    assert torch.equal(reduced, expected), (reduced - expected).abs().max()
+
+
+def test_an_average_in_bf16_rounds_each_contribution_once():
+    run(_averaged_in_bf16_rounded_once, 3)
+
+
 def _collectives_opcheck(rank: int, world: int) -> None:
     # At world 1 the ops run no collective, so every check applies. Above it,
     # an op's output is in flight until waited, and opcheck's AOT dispatch test

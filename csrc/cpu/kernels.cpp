@@ -8,9 +8,11 @@ namespace {
 void copy_cast_pad_cpu(const at::Tensor& src, const at::Tensor& dst, double scale) {
   int64_t numel = src.numel();
   at::Tensor head = dst.narrow(0, 0, numel);
-  head.copy_(src.reshape({numel}));
-  if (scale != 1.0) {
-    head.mul_(scale);
+  if (scale == 1.0) {
+    head.copy_(src.reshape({numel}));
+  } else {  // scaled in f32 (f64 if either side is) and rounded once, as the CUDA kernel does
+    const bool wide = src.scalar_type() == at::kDouble || dst.scalar_type() == at::kDouble;
+    head.copy_(src.reshape({numel}).to(wide ? at::kDouble : at::kFloat).mul(scale));
   }
   dst.narrow(0, numel, dst.numel() - numel).zero_();
 }
