@@ -91,6 +91,12 @@ def test_a_return_before_a_functions_end_is_refused():
     expect(source, line + 1, "`return` only as a function's last statement")
 
 
+def test_a_layer_loop_is_one_assignment():
+    source, line = broken("    for w in Layer:\n        x = decoder_layer(x, w, cos, sin, mask)\n",
+                          "    for w in Layer:\n        y = decoder_layer(x, w, cos, sin, mask)\n        x = y\n")
+    expect(source, line, "a loop over Layer must be one assignment, `x = layer(x, w, ...)`")
+
+
 def test_a_value_carried_through_the_layers_must_keep_its_type():
     source, line = broken("    for w in Layer:\n        x = decoder_layer(x, w, cos, sin, mask)\n",
                           "    for w in Layer:\n        x = linear(decoder_layer(x, w, cos, sin, mask), w.gate_proj)\n")

@@ -141,6 +141,11 @@ class _FunctionChecker:
             group = self.program.groups.get(getattr(node.iter, "id", None))
             if group is None or group.repeat is None or not isinstance(node.target, ast.Name):
                 self.fail("a loop must be `for w in Group:` over a repeated group")
+            body = node.body
+            if not (len(body) == 1 and isinstance(body[0], ast.Assign) and len(body[0].targets) == 1
+                    and isinstance(body[0].targets[0], ast.Name)):
+                self.fail(f"a loop over {group.name} must be one assignment, `x = layer(x, w, ...)`: sharded, "
+                          f"each layer's weights are gathered around it")
             self.check_assignable(node.target.id)
             self.env[node.target.id] = GroupType(group.name)
             before = dict(self.env)
