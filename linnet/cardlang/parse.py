@@ -13,7 +13,11 @@ The module level holds declarations only:
     @entry
     def logits(tokens: i32[Batch, MaxSeq]) -> f32[Batch, MaxSeq, Vocab]: ...
 
-Function bodies are kept as syntax for the checker; the shapes of everything
+A repeated group's checkpoint names hold `{i}`, the layer's number; no other
+group's do, and no two weights share one. An entry takes tensors only. Function
+bodies are kept as syntax for the checker (linnet/cardlang/check.py: a body is
+assignments, then one `return`; a loop over a repeated group is one assignment,
+`x = layer(x, w, ...)`, whose `x` keeps its type); the shapes of everything
 else are resolved here, and every mistake names the file and line."""
 
 from __future__ import annotations
