@@ -178,6 +178,7 @@ def _put_in_place(folder: Path, partial: Path) -> None:
         for entry in folder.iterdir():
             if entry.name not in written and not _WEIGHT_FILE.fullmatch(entry.name):
                 _link(entry, partial / entry.name)
+        shutil.copymode(folder, partial)  # who may read the folder stays as it was
         fsync_dir(partial)
         if not _exchange(partial, folder):
             aside = folder.parent / f".{folder.name}.old-{os.getpid()}"

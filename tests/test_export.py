@@ -110,6 +110,7 @@ def a_folder_saved_into_with_files_of_its_own(folder: Path) -> None:
 def test_a_save_puts_its_files_in_place_at_once_and_keeps_the_folders_own(tmp_path, monkeypatch, exchange):
     folder = tmp_path / "out"
     a_folder_saved_into_with_files_of_its_own(folder)
+    folder.chmod(0o750)
     before = folder_contents(folder)
     if exchange == "two renames":  # as where renameat2 is missing (not Linux)
         monkeypatch.setattr(linnet.export, "_exchange", lambda a, b: False)
@@ -119,7 +120,7 @@ def test_a_save_puts_its_files_in_place_at_once_and_keeps_the_folders_own(tmp_pa
     assert {name: after[name] for name in own} == {name: before[name] for name in own}
     assert after.keys() == before.keys() and all(after[name] != before[name] for name in after
                                                  if name.startswith("model-"))
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and folder.stat().st_mode & 0o777 == 0o750
 
 
 @pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
