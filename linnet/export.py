@@ -2,22 +2,21 @@
 most `max_shard_size` (with model.safetensors.index.json when there are several)
 and the config.json that `transformers.AutoModelForCausalLM.from_pretrained`
 needs. Each tensor is written as it arrives and dropped, so a 70B model never
-sits in memory whole; the files appear in the folder only once all are complete,
-all at once: a crash leaves the folder as it was or as it is meant to be, never
-with the files of two saves.
+sits in memory whole; the files appear in the folder only once all are complete.
+Every file records the save that wrote it (SAVE_KEY in its metadata), so that a
+folder whose files come from two saves is found (linnet.weights refuses it).
 
     write_hf_checkpoint(card, {name: shape, ...}, iter([(name, tensor), ...]), folder, torch.bfloat16)
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
 import re
 import shutil
 import struct
+import uuid
 from collections.abc import Iterable, Iterator
 from math import prod
 from pathlib import Path
@@ -26,11 +25,11 @@ import torch
 
 from linnet.cards import Card
 from linnet.storage import fsync_dir
+from linnet.weights import INDEX, SAVE_KEY
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # decimal, as huggingface_hub's
-_INDEX = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
@@ -94,34 +93,35 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
                         folder: Path, dtype: torch.dtype, *, max_shard_size: int | str = "5GB") -> Path:
     """Writes `tensors` (name, tensor), which must arrive in the order of `shapes`, converted to dtype.
 
-    The files are written in a temporary folder beside `folder`, which then takes its place whole
-    (`_put_in_place`): the weight files (model*.safetensors, the index) of an earlier save there are
-    replaced, its other files stay. If anything fails before that, nothing is left behind and the
-    error, a RuntimeError, names `folder`."""
+    The files are written in a temporary folder beside `folder` and moved into it when all are
+    complete (`_move_into`), replacing the weight files (model*.safetensors, the index) of an earlier
+    save there; other files in `folder` stay. If anything fails before that, nothing is left behind
+    and the error, a RuntimeError, names `folder`."""
     check_dtype(dtype)
     folder = Path(folder)
-    real = folder.resolve()  # where a link points: its target's contents are swapped, not the link
     itemsize = dtype.itemsize
     sizes = {name: prod(shape) * itemsize for name, shape in shapes.items()}
     plan = plan_files(sizes, max_shard_size)
     names = _file_names(len(plan))
-    partial = real.parent / f".{real.name}.partial-{os.getpid()}"
+    partial = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    save = uuid.uuid4().hex
     try:
         shutil.rmtree(partial, ignore_errors=True)  # what a crashed process of the same id left
         partial.mkdir(parents=True)
         arriving = iter(tensors)
         for name, in_file in zip(names, plan):
-            _write_file(partial / name, {n: shapes[n] for n in in_file}, arriving, dtype)
+            _write_file(partial / name, {n: shapes[n] for n in in_file}, arriving, dtype, save)
         extra = next(arriving, None)
         if extra is not None:
             raise ValueError(f"got {extra[0]} after the last of the {len(shapes)} planned tensors")
         if len(plan) > 1:
             totals = {"total_parameters": sum(prod(s) for s in shapes.values()), "total_size": sum(sizes.values())}
-            index = {"metadata": totals, "weight_map": {n: file for file, in_file in zip(names, plan) for n in in_file}}
-            _write_text(partial / _INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+            index = {"metadata": {**totals, SAVE_KEY: save},
+                     "weight_map": {n: file for file, in_file in zip(names, plan) for n in in_file}}
+            _write_text(partial / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
         config = {**computed_config(card), "torch_dtype": _DTYPE_NAMES[dtype]}
         _write_text(partial / "config.json", json.dumps(config, indent=2) + "\n")
-        _put_in_place(real, partial)
+        _move_into(folder, partial)
     except Exception as error:
         raise RuntimeError(f"writing the weights to {folder} failed: {type(error).__name__}: {error}") from error
     finally:
@@ -130,9 +130,9 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
 
 
 def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterator[tuple[str, torch.Tensor]],
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, save: str) -> None:
     """One SafeTensors file: the header (every offset is known from the shapes), then each tensor's bytes."""
-    header: dict = {"__metadata__": {"format": "pt"}}
+    header: dict = {"__metadata__": {"format": "pt", SAVE_KEY: save}}
     offset, itemsize = 0, dtype.itemsize
     for name, shape in shapes.items():
         end = offset + prod(shape) * itemsize
@@ -163,63 +163,17 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _put_in_place(folder: Path, partial: Path) -> None:
-    """Makes the finished `partial` the contents of `folder` in one step. The entries of an earlier
-    `folder` that this save does not replace (a tokenizer's files, say; not its stale weight files)
-    are first linked into `partial`; then the two folders' names are exchanged atomically, and the
-    old contents, now at `partial`, go with it. Where the system cannot exchange two names (not
-    Linux), `folder` is moved aside and `partial` renamed in: a crash between the two renames
-    leaves no `folder`, and its old contents whole at `.NAME.old-PID` beside it."""
-    fsync_dir(partial)
-    if not folder.exists():
-        os.rename(partial, folder)
-    else:
-        written = {path.name for path in partial.iterdir()}
-        for entry in folder.iterdir():
-            if entry.name not in written and not _WEIGHT_FILE.fullmatch(entry.name):
-                _link(entry, partial / entry.name)
-        shutil.copymode(folder, partial)  # who may read the folder stays as it was
-        fsync_dir(partial)
-        if not _exchange(partial, folder):
-            aside = folder.parent / f".{folder.name}.old-{os.getpid()}"
-            os.rename(folder, aside)
-            try:
-                os.rename(partial, folder)
-            except BaseException:
-                os.rename(aside, folder)
-                raise
-            os.rename(aside, partial)  # removed with the temporary folder
-    fsync_dir(folder.parent)
-
-
-def _link(source: Path, target: Path) -> None:
-    """`source` at `target` too, without copying its bytes where the file system allows (a hard link)."""
-    if source.is_symlink():
-        os.symlink(os.readlink(source), target)
-    elif source.is_dir():
-        shutil.copytree(source, target, symlinks=True, copy_function=_link_file)
-    else:
-        _link_file(source, target)
-
-
-def _link_file(source, target) -> None:
-    try:
-        os.link(source, target)
-    except OSError:  # another file system, or one without hard links
-        shutil.copy2(source, target)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swaps the names of two paths atomically (Linux's renameat2, RENAME_EXCHANGE); False where the
-    system or the file system cannot."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(a), None, str(b))
+def _move_into(folder: Path, partial: Path) -> None:
+    """Moves the finished files in, the config and the index last, then removes the weight files of an
+    earlier save that they did not replace. Until the removal a reader finds a whole save: transformers
+    takes model.safetensors before an index, and an earlier save's files stay until the new ones are in.
+    Where the two saves share file names, a crash among the renames (a moment, after minutes of
+    writing) leaves some files of each: each file names its save, and linnet.weights refuses the mix."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {path.name for path in partial.iterdir()}
+    for name in sorted(written, key=lambda n: (n == "config.json", n == INDEX)):
+        os.replace(partial / name, folder / name)
+    for stale in folder.iterdir():
+        if _WEIGHT_FILE.fullmatch(stale.name) and stale.name not in written and stale.is_file():
+            stale.unlink()
+    fsync_dir(folder)

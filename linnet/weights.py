@@ -5,7 +5,9 @@ A checkpoint is a folder of SafeTensors files (one `model.safetensors`, or
 shards listed by `model.safetensors.index.json`), given explicitly, or found
 in the local Hugging Face cache for the card's repo id without a network call.
 Every name and shape is checked from the files' headers before any tensor is
-read, so a wrong checkpoint fails at once and says what is wrong.
+read, so a wrong checkpoint fails at once and says what is wrong; so is a
+folder whose files two of Linnet's saves wrote (one cut short as it moved its
+files in: each records its save under SAVE_KEY).
 
 A loaded model holds where its weights come from (`RandomWeights` or
 `CheckpointWeights`) until they are first needed: whole, or, when the model is
@@ -23,6 +25,9 @@ from typing import Iterator
 
 from linnet.cardlang.check import Checked
 from linnet.cardlang.program import GroupDecl
+
+INDEX = "model.safetensors.index.json"
+SAVE_KEY = "linnet_save"  # in the metadata of each file linnet.export writes, and of its index: the save
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ def locate(repo_or_folder: str | os.PathLike) -> Path:
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
     """Each tensor name in the checkpoint -> the file that holds it."""
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         files = {name: folder / file for name, file in weight_map.items()}
@@ -147,16 +152,29 @@ def check_checkpoint(checked: Checked, files: dict[str, Path]) -> list[WeightSpe
     for spec in specs:
         if spec.checkpoint_name in files:
             by_file.setdefault(files[spec.checkpoint_name], []).append(spec)
+    saves = {}
     for file, file_specs in by_file.items():
         with safe_open(file, framework="pt") as f:
+            saves[file.name] = (f.metadata() or {}).get(SAVE_KEY)
             for spec in file_specs:
                 shape = tuple(f.get_slice(spec.checkpoint_name).get_shape())
                 if shape != spec.shape:
                     problems.append(f"{spec.checkpoint_name} has shape {shape} in {file.name}, the card expects {spec.shape}")
+    folder = next(iter(files.values())).parent
     if problems:
-        folder = next(iter(files.values())).parent
         raise ValueError(f"the checkpoint in {folder} does not match card {checked.program.path}:\n  " + "\n  ".join(problems))
+    _check_one_save(folder, saves)
     return specs
+
+
+def _check_one_save(folder: Path, saves: dict[str, str | None]) -> None:
+    """Where Linnet wrote any of the files, one save wrote them all (and the index that lists them)."""
+    if (folder / INDEX).exists():
+        saves[INDEX] = json.loads((folder / INDEX).read_text()).get("metadata", {}).get(SAVE_KEY)
+    if any(saves.values()) and len(set(saves.values())) > 1:
+        listed = ", ".join(f"{name}: {save or 'none'}" for name, save in sorted(saves.items()))
+        raise ValueError(f"the weights in {folder} come from more than one save ({SAVE_KEY} {listed}): a "
+                         f"save_weights was cut short as it moved its files in. Save the weights again.")
 
 
 def read_tensors(specs: list[WeightSpec], files: dict[str, Path], device: str = "cpu") -> Iterator[tuple[WeightSpec, object]]:
