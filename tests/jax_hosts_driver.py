@@ -17,11 +17,12 @@ from linnet.jax import train as jax_train  # noqa: E402
 import jax  # noqa: E402
 
 card, steps, checkpoint, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+run_rows = int(sys.argv[5]) if len(sys.argv) > 5 else 4 * 4  # the whole run's, dealt to the processes
 checkpoint = checkpoint.format(process=jax.process_index())  # a folder of each process's own, where asked
 mesh = jax_train.default_mesh()
 model = load(card)
 try:
-    _, history = jax_train.train(model, jax_train.own_rows(rows(4 * 4), mesh, 1), optimizer=adamw(), steps=steps,
+    _, history = jax_train.train(model, jax_train.own_rows(rows(run_rows), mesh, 1), optimizer=adamw(), steps=steps,
                                  mesh=mesh, on_step=lambda step: None, checkpoint=checkpoint)
 except Exception as error:  # what each process was told, for the test to read
     with open(f"{out}.error-{jax.process_index()}", "w") as f:

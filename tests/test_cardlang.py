@@ -91,10 +91,16 @@ def test_a_return_before_a_functions_end_is_refused():
     expect(source, line + 1, "`return` only as a function's last statement")
 
 
-def test_a_layer_loop_is_one_assignment():
+@pytest.mark.parametrize("loop", [
+    "        y = decoder_layer(x, w, cos, sin, mask)\n        x = y\n",
+    "        y = decoder_layer(x, w, cos, sin, mask)\n",  # y made in the loop: no layer's input
+    "        x = decoder_layer(h, w, cos, sin, mask)\n",  # every layer from h: x not carried
+])
+def test_a_layer_loop_is_one_assignment_carrying_its_value(loop):
     source, line = broken("    for w in Layer:\n        x = decoder_layer(x, w, cos, sin, mask)\n",
-                          "    for w in Layer:\n        y = decoder_layer(x, w, cos, sin, mask)\n        x = y\n")
-    expect(source, line, "a loop over Layer must be one assignment, `x = layer(x, w, ...)`")
+                          "    h = x\n    for w in Layer:\n" + loop)
+    expect(source, line + 1, "a loop over Layer must be one assignment, `x = layer(x, w, ...)`, of a value made "
+                             "before the loop, from itself")
 
 
 def test_a_value_carried_through_the_layers_must_keep_its_type():

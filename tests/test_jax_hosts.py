@@ -30,14 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(card, steps: int, checkpoint: Path | str, out: Path, *, failing: bool = False) -> dict | list[str]:
+def run_two_processes(card, steps: int, checkpoint: Path | str, out: Path, *, failing: bool = False,
+                      run_rows: int = 4 * 4) -> dict | list[str]:
     """The losses the first process writes; with `failing`, each process's error, both having stopped."""
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     processes = [subprocess.Popen([sys.executable, str(HERE / "jax_hosts_driver.py"), str(card), str(steps),
-                                   str(checkpoint), str(out)], env={**env, "JAX_PROCESS_ID": str(index)},
+                                   str(checkpoint), str(out), str(run_rows)], env={**env, "JAX_PROCESS_ID": str(index)},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for index in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in processes]
@@ -125,4 +126,11 @@ def test_a_save_that_fails_on_the_first_process_stops_every_process(card, tmp_pa
     errors = run_two_processes(card, 2, tmp_path / "run", tmp_path / "out.json", failing=True)
     assert "step-00000002.partial" in errors[0], errors[0]
     assert errors[1] == f"RuntimeError: saving a checkpoint into {tmp_path / 'run'} failed on process 0; its own error says why"
+
+
+def test_a_process_whose_rows_run_out_first_stops_every_process(card, tmp_path):
+    """Ten rows over four devices: the first process's share holds three steps, the second's two."""
+    errors = run_two_processes(card, 3, tmp_path / "run", tmp_path / "out.json", failing=True, run_rows=10)
+    assert errors[1].startswith("ValueError: the batches ran out at step 3 of 3"), errors[1]
+    assert errors[0] == "RuntimeError: taking the rows of step 3 failed on process 1; its own error says why"
 

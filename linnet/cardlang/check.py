@@ -142,10 +142,13 @@ class _FunctionChecker:
             if group is None or group.repeat is None or not isinstance(node.target, ast.Name):
                 self.fail("a loop must be `for w in Group:` over a repeated group")
             body = node.body
-            if not (len(body) == 1 and isinstance(body[0], ast.Assign) and len(body[0].targets) == 1
-                    and isinstance(body[0].targets[0], ast.Name)):
-                self.fail(f"a loop over {group.name} must be one assignment, `x = layer(x, w, ...)`: sharded, "
-                          f"each layer's weights are gathered around it")
+            carried = body[0].targets[0].id if len(body) == 1 and isinstance(body[0], ast.Assign) \
+                and len(body[0].targets) == 1 and isinstance(body[0].targets[0], ast.Name) else None
+            if carried is None or carried not in self.env or not any(
+                    isinstance(n, ast.Name) and n.id == carried for n in ast.walk(body[0].value)):
+                self.fail(f"a loop over {group.name} must be one assignment, `x = layer(x, w, ...)`, of a value "
+                          f"made before the loop, from itself: sharded, each layer's weights are gathered "
+                          f"around it")
             self.check_assignable(node.target.id)
             self.env[node.target.id] = GroupType(group.name)
             before = dict(self.env)

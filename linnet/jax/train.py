@@ -137,21 +137,25 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             if history.resumed_from:
                 rows_consumed = checkpointer.manifest["rows_consumed"]
                 rows = itertools.islice(rows, _own_consumed(rows_consumed, rows_a_step, own_rows), None)
-            checkpointer.check_room(parts, opt_state)
+            _on_every_process(f"checking the room in {checkpointer.folder}",
+                              lambda: checkpointer.check_room(parts, opt_state))
         if scan_layers and layers_separable(optimizer, parts):  # after resuming: checkpoints hold a part a layer
             parts, opt_state = shard.stack_layers(parts, mesh), shard.stack_layers(opt_state, mesh)
         state_placements = shard.placements((parts, opt_state), parts, mesh)
         step_functions = {}  # by the attention kernel the rows take (_attention_kernel), each compiled when first met
         placement = NamedSharding(mesh, _rows_spec(mesh))
         report = on_step or Progress(steps, 0)
-        for step in range(history.resumed_from + 1, steps + 1):
+        def rows_of(step: int):
             chunk = list(itertools.islice(rows, own_rows))
             if len(chunk) < own_rows:
                 raise ValueError(f"the batches ran out at step {step} of {steps}: each step takes {own_rows} rows "
                                  f"({own_rows // batch} devices x Batch {batch}{_of_all(mesh)})")
             for index, row in enumerate(chunk):
                 row.check_ids(model.checked.dims["Vocab"], f"step {step}, row {index}")
-            arrays = _stack(chunk, model.generics["MaxSeq"])
+            return chunk, _stack(chunk, model.generics["MaxSeq"])
+
+        for step in range(history.resumed_from + 1, steps + 1):
+            chunk, arrays = _on_every_process(f"taking the rows of step {step}", lambda: rows_of(step))
             kernel = _agreed_kernel(_attention_kernel(model, mesh, arrays[LOSS_PACKED_INPUTS.index("segments")]))
             if kernel not in step_functions:
                 step_functions[kernel] = _step_function(model, layouts, mesh, optimizer, remat, parts, state_placements, kernel)
