@@ -46,8 +46,9 @@ def rope(positions, head_dim, theta, scaling):
     # The inverse frequencies in f32 as transformers computes them; they are
     # constants, so numpy computes them once at trace time. The power is taken
     # in f64 and rounded: numpy's f32 power is an ulp off torch's in 13 of
-    # Llama 3's 64 (which then grows with the position); rounded, none. The
-    # card's check allows no scaling, "default" or "llama3".
+    # Llama 3's 64 (which then grows with the position); rounded, none there,
+    # and at most one elsewhere (torch's own f32 power is an ulp off at times).
+    # The card's check allows no scaling, "default" or "llama3".
     exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
     inv_freq = (1.0 / (np.float64(theta) ** exponents.astype(np.float64)).astype(np.float32)).astype(np.float32)
     if scaling is not None and scaling["rope_type"] == "llama3":
