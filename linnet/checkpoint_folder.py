@@ -35,7 +35,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from linnet.storage import StorageError, free_space, fsync_dir, gb, storage_errors, total_size
+from linnet.storage import StorageError, free_space, fsync_dir, gb, storage_errors, total_size, write_synced
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
@@ -87,10 +87,8 @@ def commit(folder: Path, partial: Path, manifest: dict, files: list[tuple[str, i
     kept up to date here, so that a run checks each checkpoint it did not write once, not at every save."""
     manifest = {"format": FORMAT, **manifest, "files": {name: {"bytes": size, "sha256": digest}
                                                         for name, size, digest in files}}
-    with storage_errors(partial / MANIFEST, "write"), open(partial / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, default=default)
-        f.flush()
-        os.fsync(f.fileno())
+    with storage_errors(partial / MANIFEST, "write"):
+        write_synced(partial / MANIFEST, json.dumps(manifest, indent=1, default=default))
     fsync_dir(partial)
     final = folder / partial.name.removesuffix(".partial")
     if final.exists() and _problem_of(final, known) is not None:

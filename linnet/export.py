@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from linnet.cards import Card
-from linnet.storage import fsync_dir
+from linnet.storage import fsync_dir, write_synced
 from linnet.weights import INDEX, SAVE_KEY
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -118,9 +118,9 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
             totals = {"total_parameters": sum(prod(s) for s in shapes.values()), "total_size": sum(sizes.values())}
             index = {"metadata": {**totals, SAVE_KEY: save},
                      "weight_map": {n: file for file, in_file in zip(names, plan) for n in in_file}}
-            _write_text(partial / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+            write_synced(partial / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
         config = {**computed_config(card), "torch_dtype": _DTYPE_NAMES[dtype]}
-        _write_text(partial / "config.json", json.dumps(config, indent=2) + "\n")
+        write_synced(partial / "config.json", json.dumps(config, indent=2) + "\n")
         _move_into(folder, partial)
     except Exception as error:
         raise RuntimeError(f"writing the weights to {folder} failed: {type(error).__name__}: {error}") from error
@@ -152,13 +152,6 @@ def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterato
             data = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
             f.write(data.reshape(-1).view(torch.uint8).numpy().data)
             del tensor, data  # before the next arrives: a gathered group's buffer goes with its last view
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 

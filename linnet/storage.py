@@ -9,8 +9,9 @@ a directory (or can be made one) that this process can write into;
 `storage_errors` turns a write's failure for a full, read-only or misplaced
 folder into a `StorageError` naming the path and the cause; `free_space`,
 `total_size` and `gb` measure the disk and the checkpoints for
-linnet/checkpoint_folder.py's check_room and make_room; `fsync_dir` makes a
-folder's new entries durable (linnet/export.py's weights too)."""
+linnet/checkpoint_folder.py's check_room and make_room; `write_synced` and
+`fsync_dir` make a file and a folder's new entries durable (linnet/export.py's
+weights too)."""
 
 from __future__ import annotations
 
@@ -126,3 +127,11 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Writes `text` to `path` and syncs it, so that it survives a power loss."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
