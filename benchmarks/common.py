@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 
-from linnet.packing import Row
+from linnet.data.packing import Row
 
 
 def random_rows(seed: int, tokens: int, vocab: int, packed: bool = False):
     """Endless rows of random tokens: one document each (what the peers' probes train on), or with
     `packed` documents of the lengths chat fine-tuning packs (log-normal, mostly a few hundred
-    tokens, some long), as linnet.packing lays them out; every position but a document's last weighted."""
+    tokens, some long), as linnet.data.packing lays them out; every position but a document's last weighted."""
     rng = np.random.default_rng(seed)
     while True:
         ids = rng.integers(0, min(vocab, 32000), tokens, dtype=np.int32)

@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from linnet import nest
 from linnet.cards import resolve
-from linnet.packing import Row
+from linnet.data.packing import Row
 from linnet.torch import fully_shard
-from linnet.train import train
+from linnet.torch.train import train
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--card", default="qwen2.5-0.5b")

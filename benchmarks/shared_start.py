@@ -1,7 +1,7 @@
 """The start that every system of the benchmark table shares, so that their held-out losses can be
 compared: for one shape, a random initialisation written once as a Hugging Face checkpoint
 (Linnet's draw, bf16 SafeTensors under transformers' names, with its config.json, which every
-system loads), and packed rows of the repo's instruction tasks (`linnet.tasks`) to train on and to
+system loads), and packed rows of the repo's instruction tasks (`linnet.data.synthetic_tasks`) to train on and to
 hold out, as .npz arrays of Linnet's row fields.
 
     python3 benchmarks/shared_start.py --card llama-3.2-1b --out START [--rows 256] [--held-out 8]
@@ -22,15 +22,15 @@ import torch
 from common import save_rows
 
 from linnet import nest
-from linnet.packing import Example, pack
-from linnet.tasks import generate
+from linnet.data.packing import Example, pack
+from linnet.data.synthetic_tasks import generate
 
 TOKENIZER = Path(__file__).parents[1] / "linnet" / "cards" / "tokenizers" / "tiny"
 
 
 def task_rows(count: int, tokens: int, seed: int = 0) -> list:
     """`count` rows of `tokens` positions, packed from generated instruction tasks in the tiny
-    tokenizer's chat template, the answer's tokens trained on (as examples/07-fsdp does)."""
+    tokenizer's chat template, the answer's tokens trained on (as examples/sft does)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)

@@ -20,7 +20,7 @@ from common import flops_per_token, load_rows, parameters, random_rows
 from linnet import nest
 from linnet.emit import prims_torch
 from linnet.torch import fully_shard, shard
-from linnet.train import evaluate, train
+from linnet.torch.train import evaluate, train
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--card", default="llama-3.2-1b")

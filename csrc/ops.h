@@ -70,7 +70,7 @@ at::Tensor wait_gathered(
 // A copy of `x`, made once every tensor of forward_deps exists; its gradient
 // is a copy of the incoming gradient, made once every tensor of
 // backward_deps exists (csrc/autograd.cpp). Generated code orders
-// communication with these dependencies (linnet/emit/schedule.py).
+// communication with these dependencies (linnet/sharding/schedule.py).
 at::Tensor after(const at::Tensor& x, at::TensorList forward_deps, at::TensorList backward_deps);
 
 std::vector<at::Tensor> group_views(

@@ -14,14 +14,14 @@ import argparse
 import sys
 
 from linnet import cards
-from linnet.errors import USER_ERRORS, ArgumentParser, UserError, at_least
-from linnet.generics import bind_generics, example
+from linnet.errors import ArgumentParser, UserError, at_least
+from linnet.cardlang.generics import bind_generics, example
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         return _run(_parser().parse_args(argv))
-    except USER_ERRORS as error:
+    except UserError as error:
         print(f"linnet: error: {error}", file=sys.stderr)
         return 2
 
@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         from linnet.emit.torch_backend import TORCH as backend
 
         if args.fully_shard:
-            from linnet.emit.schedule import Schedule
+            from linnet.sharding.schedule import Schedule
 
             schedule = Schedule(args.prefetch, communicates=not args.one_rank, replicas=args.replicas)
             layer_region = schedule.one_rank  # as fully_shard compiles it on one rank

@@ -8,15 +8,16 @@ Any other exception is a bug, and keeps its traceback.
     parser = ArgumentParser(...)                 # its mistakes are user errors too
     raise UserError(f"{path}:{line}: the row has no 'output'")
 
-Which exceptions count, deliberately: `UserError`; the card language's `CardError` (a mistake in a
-card, `path:line: message`) and `GenericsError` (generics that do not match a card); and the checkpoint
-folder's `FolderInUse` (another run holds it), `DamagedCheckpoints` (every checkpoint in it is damaged)
-and `StorageError` (it is not a directory, read-only or full), each of which says what to do. A plain
+Which exceptions count, deliberately: `UserError` and its subclasses, which keep their own base too: the
+card language's `CardError` (a mistake in a card, `path:line: message`) and `GenericsError` (generics
+that do not match a card); and the checkpoint folder's `FolderInUse` (another run holds it),
+`DamagedCheckpoints` (every checkpoint in it is damaged) and `StorageError` (an OSError: it is not a
+directory, read-only or full), each of which says what to do. A plain
 ValueError, KeyError or RuntimeError is not one: raised deep inside, it may be a bug, and its traceback
 is the clue. Under torchrun every rank finds the same mistake (they read the same options and files); the
 first says it and exits, the others wait silently until torchrun stops them, and torchrun adds its
 summary. A mistake that one rank alone finds (the first takes the checkpoint folder) reaches the others
-through linnet.agree as a UserError naming it, so that it stays one line there too."""
+through linnet.torch.agree as a UserError naming it, so that it stays one line there too."""
 
 from __future__ import annotations
 
@@ -27,12 +28,7 @@ import signal
 import sys
 import time
 
-from linnet.cardlang.errors import CardError, GenericsError
-from linnet.checkpoint_folder import DamagedCheckpoints
-from linnet.folder_lock import FolderInUse
-from linnet.storage import StorageError
-
-__all__ = ["USER_ERRORS", "ArgumentParser", "UserError", "at_least", "exit_on_user_error", "first_process"]
+__all__ = ["ArgumentParser", "UserError", "at_least", "exit_on_user_error", "first_process"]
 
 EXIT_STATUS = 2  # as argparse's usage errors
 FIRST_SPEAKS_WITHIN = 15.0  # seconds another rank waits for the first to report the same mistake
@@ -41,9 +37,6 @@ FIRST_SPEAKS_WITHIN = 15.0  # seconds another rank waits for the first to report
 class UserError(ValueError):
     """A mistake in what the user gave, whose message says what, where and what to do. A ValueError, so
     that code catching ValueError for bad input catches it too."""
-
-
-USER_ERRORS = (UserError, CardError, GenericsError, FolderInUse, DamagedCheckpoints, StorageError)
 
 
 def first_process() -> bool:
@@ -63,7 +56,7 @@ def exit_on_user_error(prefix: str = "error") -> None:
     previous = sys.excepthook
 
     def hook(kind, error, traceback):
-        if not isinstance(error, USER_ERRORS):
+        if not isinstance(error, UserError):
             return previous(kind, error, traceback)
         if first_process():
             _say(f"{prefix}: {error}")

@@ -15,8 +15,8 @@ from pathlib import Path
 from linnet.cardlang.check import Checked
 from linnet.cards import Card
 from linnet.emit.source import Backend, emit
-from linnet.generics import check_inputs
-from linnet.weights import (CheckpointWeights, RandomWeights, WeightSpec, check_checkpoint, checkpoint_files, locate,
+from linnet.cardlang.generics import check_inputs
+from linnet.hf.read import (CheckpointWeights, RandomWeights, WeightSpec, check_checkpoint, checkpoint_files, locate,
                             read_tensors, weight_specs)
 
 

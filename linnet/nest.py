@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from linnet.cards import Card, resolve
 from linnet.errors import UserError
-from linnet.generics import bind_generics
+from linnet.cardlang.generics import bind_generics
 
 __all__ = ["resolve", "load", "tokenizer"]
 

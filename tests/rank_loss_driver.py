@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from linnet import nest
-from linnet.packing import LOSS_PACKED_INPUTS, Example, pack
+from linnet.data.packing import LOSS_PACKED_INPUTS, Example, pack
 from linnet.torch import fully_shard
-from linnet.train import train
+from linnet.torch.train import train
 
 ROW = 64
 

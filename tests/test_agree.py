@@ -1,4 +1,4 @@
-"""linnet.agree: what the ranks agree on travels on a group that takes CPU tensors."""
+"""linnet.torch.agree: what the ranks agree on travels on a group that takes CPU tensors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def agree_before_and_after_a_new_init(rank: int, world: int, store_file: str) ->
     """Every rank's message over the default group (of a backend that takes no CPU tensors), then again
     after destroy_process_group and a new init, whose default group has the same name and numbers the
     processes the other way round."""
-    from linnet import agree
+    from linnet.torch import agree
 
     said = []
     for attempt in range(2):

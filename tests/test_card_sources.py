@@ -15,7 +15,7 @@ from hf_models import LLAMA3_SCALING, save_hf_llama
 from linnet import nest
 from linnet.cards import CARDS_DIR, UnknownCard, resolve
 from linnet.cards.huggingface import NotAModel
-from linnet.weights import weight_specs
+from linnet.hf.read import weight_specs
 
 GENERICS = {"Batch": 1, "MaxSeq": 12, "T": "f32"}
 

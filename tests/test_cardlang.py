@@ -9,7 +9,7 @@ import pytest
 from linnet.cardlang import CardError, check_program, parse_program
 from linnet.cardlang.errors import GenericsError
 from linnet.cards import CARDS_DIR, resolve
-from linnet.generics import bind_generics
+from linnet.cardlang.generics import bind_generics
 
 LLAMA = (CARDS_DIR / "llama.arch").read_text()
 CONFIG = resolve("tiny-llama").config

@@ -19,7 +19,7 @@ from distributed import run
 from safetensors.torch import load_file
 
 from linnet import nest
-from linnet.packing import Example, Row, pack
+from linnet.data.packing import Example, Row, pack
 
 DRIVER = Path(__file__).parent / "train_driver.py"
 LIMIT_S = 1800  # the longest test starts three torchruns of at most 600 s each
@@ -98,7 +98,7 @@ def rows_for(world: int, step_from: int) -> list[Row]:
 def resume_run(rank: int, world: int, folder: str, steps: int, save_every: int | None):
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
-    from linnet.train import cosine_schedule, train
+    from linnet.torch.train import cosine_schedule, train
 
     model = nest.load("tiny-llama", numerics="exact", generics={"Batch": 1, "MaxSeq": 2 * HALF, "T": "f32"},
                       cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
@@ -129,7 +129,7 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
 
 
 def unsharded_run(folder: Path, steps: int):
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = nest.load("tiny-llama", generics={"Batch": 1, "MaxSeq": 2 * HALF, "T": "f32"}, cast_dtype=True,
                       trainable=True, weights="random", entry="loss_packed")
@@ -164,7 +164,7 @@ def resume_holding(rank: int, world: int, folder: str) -> tuple[int, int, int]:
     one's elements, the elements of this rank's parts)."""
     import weakref
 
-    from linnet.checkpoint import Checkpointer
+    from linnet.torch.checkpoint import Checkpointer
     from linnet.torch import fully_shard
 
     model = fully_shard(nest.load("tiny-llama", numerics="exact", generics={"Batch": 1, "MaxSeq": 2 * HALF, "T": "f32"},

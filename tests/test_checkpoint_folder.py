@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from linnet import checkpoint_folder as cf
+from linnet.checkpoint import folder as cf
 
 LIMIT_S = 60  # seconds a test here may take (tests/conftest.py's bounded)
 

@@ -23,12 +23,14 @@ import pytest
 import torch
 from distributed import run
 
-from linnet import checkpoint_folder as cf
-from linnet import folder_lock, nest, storage
-from linnet.checkpoint import Checkpointer
-from linnet.folder_lock import LOCK, FolderInUse
-from linnet.packing import Example, pack
-from linnet.storage import StorageError
+from linnet.checkpoint import folder as cf
+from linnet import nest
+from linnet.checkpoint import lock as folder_lock
+from linnet.checkpoint import storage
+from linnet.torch.checkpoint import Checkpointer
+from linnet.checkpoint.lock import LOCK, FolderInUse
+from linnet.data.packing import Example, pack
+from linnet.checkpoint.storage import StorageError
 
 LIMIT_S = 300  # seconds a test here may take (tests/conftest.py's bounded)
 ROW = 64
@@ -47,7 +49,7 @@ def torch_model():
 
 
 def torch_run(folder: Path, steps: int, every: int | None = 1, on_step=None):
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = torch_model()
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-3)
@@ -125,7 +127,7 @@ def test_a_second_checkpointer_on_the_folder_is_refused_until_the_first_closes(t
 HOLD = """
 import sys, time
 from pathlib import Path
-from linnet import folder_lock
+from linnet.checkpoint import lock as folder_lock
 lock = folder_lock.take(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(300)
@@ -373,9 +375,9 @@ def test_a_full_disk_is_named_when_the_writer_only_counts_bytes(tmp_path, monkey
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full: a device that is always full")
 def test_a_real_full_device_is_named(tmp_path, monkeypatch):
-    import linnet.checkpoint
+    import linnet.torch.checkpoint
 
-    monkeypatch.setattr(linnet.checkpoint, "_rank_file", lambda rank, world: "/dev/full")  # partial / it: itself
+    monkeypatch.setattr(linnet.torch.checkpoint, "_rank_file", lambda rank, world: "/dev/full")  # partial / it: itself
     with pytest.raises(StorageError, match="no space left on device: could not write /dev/full") as failed:
         torch_run(tmp_path / "ckpt", 1)
     assert failed.value.__cause__.errno == errno.ENOSPC

@@ -22,7 +22,7 @@ from hf_models import BASE, write_card
 from jax.sharding import Mesh
 
 from linnet import nest
-from linnet.packing import Example, pack
+from linnet.data.packing import Example, pack
 
 LIMIT_S = 300  # seconds a test here may take (tests/conftest.py's bounded)
 ROW = 64
@@ -59,7 +59,7 @@ class Stop(Exception):
 def torch_run(card, folder: Path | None, steps: int, lr: float = 3e-3, stop_after: int | None = None):
     """A run whose cosine schedule is planned for 6 steps whatever `steps` says, saving every 2 steps, stopped
     after step `stop_after` if given; (history, optimizer)."""
-    from linnet.train import cosine_schedule, train
+    from linnet.torch.train import cosine_schedule, train
 
     def on_step(step):
         if step.step == stop_after:
@@ -158,7 +158,7 @@ def test_pytorch_refuses_a_checkpoint_with_another_number_of_layers(cards, tmp_p
 
 def sharded_run(rank: int, world: int, card: str, folder: str, steps: int) -> str | None:
     from linnet.torch import fully_shard
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = fully_shard(torch_model(card))
     try:

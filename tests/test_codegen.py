@@ -12,7 +12,7 @@ from linnet.cli import main
 from linnet.cardlang import check_program, parse_program
 from linnet.cards import CARDS_DIR
 from linnet.emit.jax_backend import JAX
-from linnet.emit.schedule import Schedule
+from linnet.sharding.schedule import Schedule
 from linnet.emit.source import emit
 from linnet.emit.torch_backend import TORCH
 
@@ -135,7 +135,7 @@ PUBLISHED_PARAMETERS = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
 @pytest.mark.parametrize("variant", ["", "-instruct"])
 def test_cards_have_the_published_parameter_counts(name, variant):
-    from linnet.weights import weight_specs
+    from linnet.hf.read import weight_specs
 
     count = sum(prod(spec.shape) for spec in weight_specs(cards.resolve(name + variant).checked()))
     assert count == PUBLISHED_PARAMETERS[name]

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from linnet import cards, folder_lock, nest, userdata
-from linnet.errors import USER_ERRORS, ArgumentParser, UserError, at_least
-from linnet.packing import Example, pack
+from linnet import cards, nest
+from linnet.checkpoint import lock as folder_lock
+from linnet.recipes import sft
+from linnet.errors import ArgumentParser, UserError, at_least
+from linnet.data.packing import Example, pack
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ROOT / "examples" / "07-fsdp" / "data" / "tasks.jsonl"
+TASKS = ROOT / "examples" / "sft" / "data" / "tasks.jsonl"
 LINES = TASKS.read_text(encoding="utf-8").splitlines(keepends=True)
 TINY = ["--card", "tiny-llama", "--tokens", "256", "--lr", "3e-3"]
 
@@ -46,7 +48,7 @@ def raises(function, *args, **kwargs) -> str:
 def test_rows_are_read_with_input_optional(tmp_path):
     path = data(tmp_path, "\ufeff" + LINES[0], "\n", '{"instruction": "a", "output": "b"}\n',
                 '{"instruction": "c", "input": null, "output": "d"}')
-    rows = userdata.read_rows(path)
+    rows = sft.read_rows(path)
     assert rows[0] == json.loads(LINES[0])
     assert rows[1:] == [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "c", "input": "", "output": "d"}]
 
@@ -62,14 +64,14 @@ def test_rows_are_read_with_input_optional(tmp_path):
     (['["instruction", "output"]\n'], r"data.jsonl:1: a JSON list, not a row"),
 ])
 def test_a_bad_data_file_names_the_file_and_the_line(tmp_path, lines, expected):
-    message = raises(userdata.read_rows, data(tmp_path, *lines))
+    message = raises(sft.read_rows, data(tmp_path, *lines))
     assert message.startswith(str(tmp_path))
     assert re.search(expected, message), message
     assert '"instruction", "output"' in message or "UTF-8" in message
 
 
 def test_a_missing_data_file_is_named(tmp_path):
-    assert raises(userdata.read_rows, tmp_path / "absent.jsonl") == (
+    assert raises(sft.read_rows, tmp_path / "absent.jsonl") == (
         f"cannot read the data file {tmp_path / 'absent.jsonl'}: No such file or directory")
 
 
@@ -78,7 +80,7 @@ def test_the_rows_come_in_the_order_datasets_shuffled_them():
     from datasets import load_dataset
 
     shuffled = load_dataset("json", data_files=str(TASKS), split="train").shuffle(seed=0)
-    assert userdata.alpaca_rows(str(TASKS), most=500) == [dict(row) for row in shuffled.select(range(500))]
+    assert sft.alpaca_rows(str(TASKS), most=500) == [dict(row) for row in shuffled.select(range(500))]
 
 
 # The split, the packed rows, the warm-up and --out: checked before the first step.
@@ -88,19 +90,19 @@ def examples(count: int) -> list[Example]:
 
 
 def test_too_few_rows_for_the_held_out_split():
-    assert userdata.split_held_out(list(range(10)), 3, "d.jsonl") == (list(range(3, 10)), [0, 1, 2])
-    assert raises(userdata.split_held_out, list(range(150)), 200, "d.jsonl") == (
+    assert sft.split_held_out(list(range(10)), 3, "d.jsonl") == (list(range(3, 10)), [0, 1, 2])
+    assert raises(sft.split_held_out, list(range(150)), 200, "d.jsonl") == (
         "d.jsonl has 150 rows, and --held-out 200 of them are kept for the held-out loss, which leaves none to "
         "train on: lower --held-out (at most 149) or give more rows")
 
 
 def test_rows_for_the_steps_are_counted_before_the_first_step():
-    packed = userdata.rows_for_steps(pack(examples(20), 16), steps=3, ranks=2)  # 2 examples a row: 10 rows
+    packed = sft.rows_for_steps(pack(examples(20), 16), steps=3, ranks=2)  # 2 examples a row: 10 rows
     assert len(packed) == 6
-    assert raises(userdata.rows_for_steps, pack(examples(20), 16), 6, 2) == (
+    assert raises(sft.rows_for_steps, pack(examples(20), 16), 6, 2) == (
         "--steps 6 on 2 processes takes 12 packed rows (one a step on each), but the training rows pack into "
         "10 rows of --tokens 16: lower --steps (to 5 at most), lower --tokens, or give more rows")
-    assert "on 4 devices" in raises(userdata.rows_for_steps, iter([]), 1, 4, "devices")
+    assert "on 4 devices" in raises(sft.rows_for_steps, iter([]), 1, 4, "devices")
 
 
 def test_rows_for_the_steps_pack_no_more_than_they_need():
@@ -111,44 +113,44 @@ def test_rows_for_the_steps_pack_no_more_than_they_need():
             taken.append(example)
             yield example
 
-    userdata.rows_for_steps(pack(counted(), 16), steps=2, ranks=2)
+    sft.rows_for_steps(pack(counted(), 16), steps=2, ranks=2)
     assert len(taken) < 1000
 
 
 def test_each_process_needs_a_held_out_row():
-    assert len(userdata.enough_held_out(pack(examples(4), 16), 2, 4)) == 2
-    assert raises(userdata.enough_held_out, pack(examples(1), 16), 2, 1) == (
+    assert len(sft.enough_held_out(pack(examples(4), 16), 2, 4)) == 2
+    assert raises(sft.enough_held_out, pack(examples(1), 16), 2, 1) == (
         "--held-out 1: the held-out rows pack into 1 rows of --tokens 16, fewer than the 2 processes, each of "
         "which evaluates at least one: raise --held-out")
 
 
 def test_the_default_warmup_fits_a_short_run_and_a_given_one_is_checked():
-    assert [userdata.warmup_steps(None, steps) for steps in (1, 2, 3, 4, 30)] == [0, 1, 2, 3, 3]
-    assert userdata.warmup_steps(0, 1) == 0 and userdata.warmup_steps(9, 10) == 9
-    assert raises(userdata.warmup_steps, 5, 5).startswith("--warmup 5 must be less than --steps 5")
+    assert [sft.warmup_steps(None, steps) for steps in (1, 2, 3, 4, 30)] == [0, 1, 2, 3, 3]
+    assert sft.warmup_steps(0, 1) == 0 and sft.warmup_steps(9, 10) == 9
+    assert raises(sft.warmup_steps, 5, 5).startswith("--warmup 5 must be less than --steps 5")
 
 
 def test_out_needs_room_for_the_cards_weights(tmp_path, monkeypatch):
-    userdata.check_out_folder(tmp_path / "weights", "tiny-llama")
-    monkeypatch.setattr(userdata.storage, "free_space", lambda path: 10_000)
-    message = raises(userdata.check_out_folder, tmp_path / "weights", "tiny-llama")
+    sft.check_out_folder(tmp_path / "weights", "tiny-llama")
+    monkeypatch.setattr(sft.storage, "free_space", lambda path: 10_000)
+    message = raises(sft.check_out_folder, tmp_path / "weights", "tiny-llama")
     assert message.startswith(f"--out {tmp_path / 'weights'}: no space left for the trained weights: they need ")
     assert "GB in bf16, and 1e-05 GB is free there" in message
 
 
 def test_out_is_checked_without_leaving_anything(tmp_path):
     for fine in (tmp_path / "new" / "weights", tmp_path):
-        userdata.check_out_folder(fine)
-    userdata.check_out_folder(None)
+        sft.check_out_folder(fine)
+    sft.check_out_folder(None)
     assert list(tmp_path.iterdir()) == []
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert raises(userdata.check_out_folder, blocker) == (
+    assert raises(sft.check_out_folder, blocker) == (
         f"--out {blocker} is a file, not a folder: give a folder for the trained weights")
-    assert raises(userdata.check_out_folder, blocker / "weights") == (
+    assert raises(sft.check_out_folder, blocker / "weights") == (
         f"--out {blocker / 'weights'} cannot be made: {blocker} is a file, not a folder")
     # /proc takes no new file, whoever asks (a read-only folder does not stop root).
-    assert raises(userdata.check_out_folder, "/proc/linnet/weights").startswith(
+    assert raises(sft.check_out_folder, "/proc/linnet/weights").startswith(
         "--out /proc/linnet/weights cannot be written: /proc does not take a new file (")
 
 
@@ -156,8 +158,8 @@ def test_out_is_checked_without_leaving_anything(tmp_path):
 def test_a_read_only_out_is_found(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
-    assert "cannot be written" in raises(userdata.check_out_folder, locked)
-    assert "cannot be written" in raises(userdata.check_out_folder, locked / "weights")
+    assert "cannot be written" in raises(sft.check_out_folder, locked)
+    assert "cannot be written" in raises(sft.check_out_folder, locked / "weights")
 
 
 # The card, the options and the one line.
@@ -175,10 +177,10 @@ def test_card_file_mistakes_are_user_errors(tmp_path):
         cards.resolve(tmp_path / "absent.toml")
     assert isinstance(raised.value, UserError)
     (tmp_path / "latin1.toml").write_bytes(b'name = "caf\xe9"\n')
-    with pytest.raises(USER_ERRORS, match="latin1.toml: not UTF-8 text"):
+    with pytest.raises(UserError, match="latin1.toml: not UTF-8 text"):
         cards.resolve(tmp_path / "latin1.toml")
     (tmp_path / "table.toml").write_text('name = "x"\nfamily = "llama"\nweights = "repo"\nconfig = {}\n')
-    with pytest.raises(USER_ERRORS, match="table.toml: weights must be a table, got 'repo'"):
+    with pytest.raises(UserError, match="table.toml: weights must be a table, got 'repo'"):
         cards.resolve(tmp_path / "table.toml")
 
 
@@ -262,12 +264,12 @@ def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess
 
 
 def torchrun(*args: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/07-fsdp/sft_torch.py",
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/sft/sft_torch.py",
                 *TINY, *args])
 
 
 def jax_example(*args: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "examples/07-fsdp/sft_jax.py", *TINY, *args])
+    return run([sys.executable, "examples/sft/sft_jax.py", *TINY, *args])
 
 
 def said_once(result: subprocess.CompletedProcess, script: str) -> str:

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import run
-import linnet.export
+import linnet.hf.write
 from linnet import nest
 from linnet.cards import resolve
-from linnet.export import computed_config, parse_size, plan_files, write_hf_checkpoint
+from linnet.hf.write import computed_config, parse_size, plan_files, write_hf_checkpoint
 
 GENERICS = {"Batch": 1, "MaxSeq": 32, "T": "f32"}
 TOKENS = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(3))
@@ -38,7 +38,7 @@ def random_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def weight_files(folder: Path) -> dict[str, bytes]:
-    """Each file's bytes, with the save's id (linnet.weights.SAVE_KEY) blanked: the same weights saved twice
+    """Each file's bytes, with the save's id (linnet.hf.read.SAVE_KEY) blanked: the same weights saved twice
     differ in it alone."""
     return {path.name: re.sub(rb'"linnet_save": ?"[0-9a-f]{32}"', b'"linnet_save":""', path.read_bytes())
             for path in sorted(folder.iterdir())}
@@ -119,7 +119,7 @@ def test_weights_of_two_saves_mixed_by_a_save_cut_short_are_refused_by_name(tmp_
         moved.append(target)
         replace(source, target)
 
-    monkeypatch.setattr(linnet.export.os, "replace", killed_after_two)
+    monkeypatch.setattr(linnet.hf.write.os, "replace", killed_after_two)
     again = nest.load("tiny-llama", generics=GENERICS, numerics="exact", cast_dtype=True, trainable=True,
                       weights="random", seed=1)
     with pytest.raises(KeyboardInterrupt):

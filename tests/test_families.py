@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from math import prod
 
+import sys
 import numpy as np
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from distributed import run
 from hf_models import BASE, load_hf_model, save_hf_model, write_model_card
 from linnet import cards, nest
-from linnet.weights import weight_specs
+from linnet.hf.read import weight_specs
 
 # model_type -> the config numbers that differ from hf_models.BASE (vocabulary 211, hidden size 80, 4 heads of 20).
 FAMILIES = {
@@ -171,8 +172,9 @@ def test_sharded_training_equals_single_process(random_cards, world):
 def test_jax_equals_pytorch_training_from_the_same_card(random_cards, model_type, tmp_path):
     from test_jax_train import EPS, LR, STEPS, adamw, load, mesh, rows
 
-    from linnet.jax import train as jax_train
-    from linnet.train import train as torch_train
+    import linnet.jax.train
+    jax_train = sys.modules["linnet.jax.train"]  # the module: linnet.jax.train is also the function
+    from linnet.torch.train import train as torch_train
 
     card = random_cards[list(FAMILIES).index(model_type)]
     torch_model = nest.load(card, backend="torch", entry="loss_packed", numerics="exact", cast_dtype=True,

@@ -10,8 +10,8 @@ import torch
 from distributed import run
 from hf_models import write_tied_card, write_untied_card
 from linnet import nest
-from linnet.packing import Example, pack
-from linnet.train import row_tensors
+from linnet.data.packing import Example, pack
+from linnet.torch.train import row_tensors
 
 ROW = 64
 STEPS = 5
@@ -71,7 +71,7 @@ def sharded_training(rank: int, world: int, card, compile: str | None, recompute
                      reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True):
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = fully_shard(load(card, compile=compile), recompute=recompute, prefetch=prefetch, reduce_dtype=reduce_dtype,
                         reshard_after_forward=reshard_after_forward)
@@ -114,9 +114,9 @@ def test_a_looked_up_embedding_trains_as_single_process(untied, world, compile):
 
 
 def table_gradient(rank: int, world: int, card) -> np.ndarray:
-    """This rank's part of the table's gradient after one step of linnet.train (the optimizer is stopped)."""
+    """This rank's part of the table's gradient after one step of linnet.torch.train (the optimizer is stopped)."""
     from linnet.torch import fully_shard
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = fully_shard(load(card))
     captured = []
@@ -145,7 +145,7 @@ def looked_up(rank: int, world: int, rows: int, width: int, part_size: int):
     part's gradient, against what the whole table gives."""
     import torch.distributed as dist
 
-    from linnet.emit.schedule import Schedule
+    from linnet.sharding.schedule import Schedule
     from linnet.torch.shard import GroupLayout, Sharding, _lookup
 
     layout = GroupLayout("Embedding", ("embed_tokens",), ((rows, width),), (0,), world * part_size, part_size)
@@ -469,7 +469,7 @@ def test_clear_errors(card):
 
 
 def test_a_token_outside_the_vocabulary_is_named():
-    from linnet.train import evaluate, train
+    from linnet.torch.train import evaluate, train
 
     model = nest.load("tiny-llama", entry="loss_packed", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
                       cast_dtype=True, trainable=True)
@@ -485,7 +485,7 @@ def test_a_token_outside_the_vocabulary_is_named():
 def one_bad_rank(rank: int, world: int, card, where: str):
     """train or evaluate where only the last rank's first row holds a token outside the vocabulary."""
     from linnet.torch import fully_shard
-    from linnet.train import evaluate, train
+    from linnet.torch.train import evaluate, train
 
     model = fully_shard(load(card))
     mine = rows(world)[rank::world]
@@ -514,7 +514,7 @@ def bad_row_at_step_two(rank: int, world: int, card):
     """train where the last rank's second row holds a token outside the vocabulary: (what each rank
     raised, the steps it reported). A step is reported once the next is launched, or before a stop."""
     from linnet.torch import fully_shard
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = fully_shard(load(card))
     mine = rows(world)[rank::world]
@@ -542,7 +542,7 @@ def train_over_a_subgroup(rank: int, world: int, card) -> str:
     import torch.distributed as dist
 
     from linnet.torch import fully_shard
-    from linnet.train import train
+    from linnet.torch.train import train
 
     own = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
     model = fully_shard(load(card), group=own)
@@ -624,7 +624,7 @@ def test_the_model_must_be_where_the_groups_backends_take_tensors():
 
 def save_where_it_cannot(rank: int, world: int, card, target: str):
     """save_weights, then a checkpoint, into a path under a file: only the first rank writes either."""
-    from linnet.checkpoint import Checkpointer
+    from linnet.torch.checkpoint import Checkpointer
     from linnet.torch import fully_shard
 
     model = fully_shard(load(card))
@@ -658,8 +658,8 @@ def test_sft_torch_example_runs_offline(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/07-fsdp/sft_torch.py",
-               "--card", "tiny-llama", "--data", "examples/07-fsdp/data/tasks.jsonl", "--tokens", "256",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/sft/sft_torch.py",
+               "--card", "tiny-llama", "--data", "examples/sft/data/tasks.jsonl", "--tokens", "256",
                "--steps", "5", "--lr", "3e-3", "--out", str(tmp_path / "weights")]
     result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
@@ -716,7 +716,7 @@ def region_training(rank: int, world: int, card, recompute: str):
 
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = fully_shard(load(card, compile="inductor"), recompute=recompute)
     around_checkpoint = ("@torch.compiler.nested_compile_region\ndef decoder_layer_region(x, w, cos, sin, mask):"
@@ -727,7 +727,7 @@ def region_training(rank: int, world: int, card, recompute: str):
     assert model.layer_region and expected in model.source and other not in model.source
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
     un_waited, traced = [], []
-    hop = type(invoke_subgraph)  # each trace of the region that finds its schema (linnet/torch/schemas_once.py)
+    hop = type(invoke_subgraph)  # each trace of the region that finds its schema (linnet/torch/compile_once.py)
     own = hop.gen_schema
     hop.gen_schema = lambda self, *args: traced.append(args[1]) or own(self, *args)
     try:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from linnet import nest
-from linnet.packing import Example, pack
-from linnet.train import row_tensors
+from linnet.data.packing import Example, pack
+from linnet.torch.train import row_tensors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ROW = 256
@@ -45,7 +45,7 @@ def nccl_world_of_one():
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_sharded_training_over_nccl_equals_unsharded(nccl_world_of_one, compile):
     from linnet.torch import fully_shard
-    from linnet.train import train
+    from linnet.torch.train import train
 
     def load():
         return nest.load("tiny-llama", device="cuda", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
@@ -67,7 +67,7 @@ def trained_after_and_within(compile: str | None, reshard_after_forward: bool, s
     of one), stepping after the backward, then in it: fused AdamW (a host lr tensor read by the CUDA kernel)
     with an lr that changes each step. Also benchmarks/step_in_backward_diff.py's."""
     from linnet.torch import fully_shard
-    from linnet.train import train
+    from linnet.torch.train import train
 
     results = []
     for in_backward in (False, True):
@@ -143,7 +143,7 @@ def nccl_training(rank: int, world: int, card, compile: str | None, prefetch: in
 
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
-    from linnet.train import train
+    from linnet.torch.train import train
 
     mesh = None if mesh is None else init_device_mesh("cuda", mesh, mesh_dim_names=("replicate", "shard"))
     model = fully_shard(load(card, compile=compile, device="cuda"), prefetch=prefetch, mesh=mesh)
@@ -191,7 +191,7 @@ def test_hybrid_training_over_nccl_equals_one_process(tmp_path, mesh, compile):
     test_sharded_training_over_nccl_on_several_gpus_equals_one_process: on 2 x 1 (no shard group to
     speak of) each gather's reduction across the replicas; on 2 x 2 the all-reduce across the replicas
     that a reduce-scatter launches on a side stream when it ends, and the means of the late parts that
-    train launches after the backward, under the optimizer's step of the other parts (linnet/torch/replicas.py)."""
+    train launches after the backward, under the optimizer's step of the other parts (linnet/torch/hybrid.py)."""
     from distributed import run
     from test_fully_shard import reference, relative_error
     from hf_models import write_tied_card

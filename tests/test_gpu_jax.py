@@ -19,7 +19,7 @@ BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 512, 64
 
 def segments_of(documents: int, seed: int) -> np.ndarray:
     """(B, S) segments: each row `documents` documents of random lengths (the last row one fewer, so
-    that rows differ), numbered 0, 1, ... as linnet.packing numbers them."""
+    that rows differ), numbered 0, 1, ... as linnet.data.packing numbers them."""
     rng = np.random.default_rng(seed)
     rows = []
     for count in (documents, max(documents - 1, 1)):
@@ -40,7 +40,7 @@ def qkv(seed: int):
 def test_fused_attention_equals_exact_on_packed_rows(documents, branch, monkeypatch):
     """0 is the causal mask; 1 document takes causal attention through the document mask, 5 and 12 the
     packed layout of 8 and 16 segments, 40 the dense mask, and -5 five documents numbered backwards
-    along the rows (not linnet.packing's order) the dense mask too."""
+    along the rows (not linnet.data.packing's order) the dense mask too."""
     (q, k, v), cotangent = qkv(abs(documents))
     segments = jnp.asarray(segments_of(abs(documents), abs(documents))) if abs(documents) > 1 else jnp.zeros((BATCH, SEQ), jnp.int32)
     if documents < 0:

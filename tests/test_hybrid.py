@@ -13,7 +13,7 @@ import torch
 from distributed import run
 from test_checkpoint import HALF, halves, join, zero_weight
 from linnet import nest
-from linnet.train import row_tensors
+from linnet.torch.train import row_tensors
 from test_fully_shard import (EPS, LR, STEPS, card, load, mean_of_the_ranks_losses, reference,  # noqa: F401 (fixtures)
                              relative_error, rows, untied)
 
@@ -32,7 +32,7 @@ def on_a_mesh(card, shape: tuple[int, int] = (2, 2), compile: str | None = None,
 def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str, prefetch: int,
                     reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True):
     from linnet.torch.shard import gathered_weights
-    from linnet.train import train
+    from linnet.torch.train import train
 
     # One thread a rank: inductor's CPU kernels then add each embedding gradient in one order (with two,
     # in the order the threads' atomic adds land; AdamW carried that to 1.5e-5 in a weight once, in CI).
@@ -108,7 +108,7 @@ def _hooked_adamw(params, **settings) -> torch.optim.AdamW:
 
 def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_class, in_backward: bool | None = None) -> tuple:
     """Train on 2 x 2: for each optimizer.step(), the names of the parts that had a gradient; and the losses."""
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = on_a_mesh(card, compile=compile)
     names = {id(model.params["embedding"]): "embedding", id(model.params["head"]): "head",
@@ -151,7 +151,7 @@ def reductions_made(rank: int, world: int, card, own_loop: bool) -> list:
     in train or in a user's loop."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from linnet.train import train
+    from linnet.torch.train import train
 
     made = []
 
@@ -220,7 +220,7 @@ def resume_on(rank: int, world: int, shape: tuple[int, int] | None, folder: str,
 
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = nest.load("tiny-llama", numerics="exact", generics={"Batch": 1, "MaxSeq": 2 * HALF, "T": "f32"},
                       cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
@@ -255,12 +255,12 @@ def test_a_2d_checkpoint_holds_each_part_once_and_resumes_on_other_meshes(tmp_pa
 def save_on_a_mesh(rank: int, world: int, card, folder: str, blocked: str) -> tuple[int, dict, str | None]:
     """save_weights on a 2 x 2 mesh: (the writes this rank made, the gathered weights); then into a path
     under a file, what this rank raised."""
-    import linnet.export
+    import linnet.hf.write
     from linnet.torch.shard import gathered_weights
 
     model = on_a_mesh(card)
-    writes, write = [], linnet.export.write_hf_checkpoint
-    linnet.export.write_hf_checkpoint = lambda *args, **kwargs: writes.append(1) or write(*args, **kwargs)
+    writes, write = [], linnet.hf.write.write_hf_checkpoint
+    linnet.hf.write.write_hf_checkpoint = lambda *args, **kwargs: writes.append(1) or write(*args, **kwargs)
     model.save_weights(folder, dtype=torch.float32)
     written = len(writes)
     weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
@@ -319,7 +319,7 @@ def example(tmp_path, torchrun: list[str]) -> list[str]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    script = ["examples/07-fsdp/sft_torch.py", "--card", "tiny-llama", "--data", "examples/07-fsdp/data/tasks.jsonl",
+    script = ["examples/sft/sft_torch.py", "--card", "tiny-llama", "--data", "examples/sft/data/tasks.jsonl",
               "--tokens", "256", "--steps", "4", "--lr", "3e-3", "--held-out", "40"]
     launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, *script], cwd=root, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})

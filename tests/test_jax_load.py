@@ -6,6 +6,7 @@ model being made whole; and evaluate over parts, which builds them once for trai
 
 from __future__ import annotations
 
+import sys
 import json
 
 import jax
@@ -20,9 +21,10 @@ from safetensors.torch import load_file
 from hf_models import BASE, LLAMA3_SCALING, load_hf, save_hf_llama, write_card
 from linnet import nest
 from linnet.jax import shard
-from linnet.jax import train as jax_train
-from linnet.packing import Example, pack
-from linnet.weights import SliceReader
+import linnet.jax.train
+jax_train = sys.modules["linnet.jax.train"]  # the module: linnet.jax.train is also the function
+from linnet.data.packing import Example, pack
+from linnet.hf.read import SliceReader
 
 ROW = 32
 TOKENS = np.random.default_rng(2).integers(0, 211, (1, ROW)).astype(np.int32)

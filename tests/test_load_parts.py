@@ -36,7 +36,7 @@ def flat_slices(model, sharding) -> list[torch.Tensor]:
 
 def parts_and_reads(rank: int, world: int, card, weights) -> tuple[bool, int]:
     from linnet.torch import fully_shard
-    from linnet.weights import SliceReader
+    from linnet.hf.read import SliceReader
 
     counted = []
     read = SliceReader.read
@@ -118,7 +118,7 @@ def loading_peak(rank: int, world: int, card) -> tuple[int, int, int]:
     import threading
 
     from linnet.torch import fully_shard
-    from linnet.weights import SliceReader
+    from linnet.hf.read import SliceReader
 
     model = load(card, None)
     gc.collect()

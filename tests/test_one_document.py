@@ -11,7 +11,7 @@ import torch
 
 from distributed import run
 from linnet import nest
-from linnet.packing import Example, Row, pack
+from linnet.data.packing import Example, Row, pack
 
 ROW = 64
 STEPS = 3
@@ -47,7 +47,7 @@ def train_recording(rank: int, world: int, entry: str | None, rows_of_rank: dict
     """Trains the tiny card sharded; returns the losses, the weights, and the entries each step and evaluation called."""
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
-    from linnet.train import evaluate, train
+    from linnet.torch.train import evaluate, train
 
     model = nest.load("tiny-llama", numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, cast_dtype=True,
                       trainable=True, weights="random", seed=0, entry=entry)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from linnet.cardlang.parse import parse_program
-from linnet.packing import LOSS_PACKED_INPUTS, Example, fill_ratio, pack, stack_rows
+from linnet.data.packing import LOSS_PACKED_INPUTS, Example, fill_ratio, pack, stack_rows
 
-DATA = Path(__file__).parents[1] / "examples" / "07-fsdp" / "data" / "tasks.jsonl"
+DATA = Path(__file__).parents[1] / "examples" / "sft" / "data" / "tasks.jsonl"
 
 
 def examples(count: int, seed: int = 0, longest: int = 40) -> list[Example]:

@@ -1,4 +1,4 @@
-"""Products of one input made as one matrix product in sharded PyTorch code (linnet/emit/products.py, and
+"""Products of one input made as one matrix product in sharded PyTorch code (linnet/emit/fused_linears.py, and
 `_views`/`_linears` in linnet/torch/shard.py). That the sharded model still trains as the unsharded one is
 tests/test_fully_shard.py's."""
 
@@ -11,8 +11,8 @@ from linnet import cards
 from linnet.cardlang import check_program, parse_program
 from linnet.cards import CARDS_DIR
 from linnet.emit.jax_backend import JAX
-from linnet.emit.products import runs_by_group, runs_in
-from linnet.emit.schedule import Schedule
+from linnet.emit.fused_linears import runs_by_group, runs_in
+from linnet.sharding.schedule import Schedule
 from linnet.emit.source import emit
 from linnet.emit.torch_backend import TORCH
 from linnet.torch.shard import GroupLayout, _linears, _pieces

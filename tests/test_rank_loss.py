@@ -17,7 +17,7 @@ import torch
 from distributed import run
 
 from linnet import nest
-from linnet.packing import Example, pack
+from linnet.data.packing import Example, pack
 
 DRIVER = Path(__file__).parent / "rank_loss_driver.py"
 ROW = 64
@@ -86,7 +86,7 @@ def test_a_lost_machine_ends_the_other_within_a_minute_naming_its_ranks(tmp_path
 
 
 def test_the_stall_timeout_is_read_from_the_environment(monkeypatch):
-    from linnet.watchdog import DEFAULT_TIMEOUT, stall_timeout
+    from linnet.torch.watchdog import DEFAULT_TIMEOUT, stall_timeout
 
     monkeypatch.delenv("LINNET_STALL_TIMEOUT", raising=False)
     assert stall_timeout() == DEFAULT_TIMEOUT
@@ -130,7 +130,7 @@ def bad_inputs_in_a_users_loop(rank: int, world: int) -> list:
 
 def test_one_ranks_bad_input_in_a_users_loop_stops_every_rank_with_its_message():
     """Needs each call of a sharded model to agree on its input checks across ranks before its
-    first gather (linnet/agree.py agree_on_check). Without it, rank 0 waits in the gather until
+    first gather (linnet/torch/agree.py agree_on_check). Without it, rank 0 waits in the gather until
     rank 1 leaves the process group (here after STAY seconds; with NCCL, or a rank that carries
     on, until the group's timeout), and then fails without rank 1's message."""
     expected = {"shape": r"ValueError: .*rank 1: loss_packed\(tokens: .*got shape \(1, 65\), but MaxSeq is at most 64",

@@ -1,4 +1,4 @@
-"""linnet/torch/schemas_once.py: a layer compiled once has its schema found by one trace, not one a call,
+"""linnet/torch/compile_once.py: a layer compiled once has its schema found by one trace, not one a call,
 while schemas_once() holds; elsewhere torch finds it at every call, as it did."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from linnet.torch.schemas_once import schemas_once
+from linnet.torch.compile_once import schemas_once
 
 LAYERS = 6
 

@@ -184,9 +184,9 @@ def test_on_cuda_wait_tensor_makes_the_current_stream_wait_not_the_host(simulate
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_a_linnet_training_step_runs_as_rank_0_of_four(device):
     from linnet import nest
-    from linnet.packing import Row
+    from linnet.data.packing import Row
     from linnet.torch import fully_shard
-    from linnet.train import train
+    from linnet.torch.train import train
 
     sim = sim_world.install(4)  # 360 GB/s: the tiny model's collectives take microseconds
     try:
@@ -204,7 +204,7 @@ def test_a_linnet_training_step_runs_as_rank_0_of_four(device):
         assert len(history.steps) == 1  # its loss is noise: the gathered weights are whatever memory held
         groups = 1 + 2 + 1  # the embedding, two layers, the final norm (the head is tied)
         assert sim.calls["all_gather"] >= groups and sim.calls["reduce_scatter"] >= groups
-        assert sim.calls["all_reduce"] == 3  # train's two a step, and the ranks' agreement on the inputs (linnet/agree.py)
+        assert sim.calls["all_reduce"] == 3  # train's two a step, and the ranks' agreement on the inputs (linnet/torch/agree.py)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

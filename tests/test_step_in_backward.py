@@ -15,8 +15,8 @@ import torch
 from distributed import run
 from hf_models import write_tied_card, write_untied_card
 from linnet import nest
-from linnet.packing import Example, pack
-from linnet.train import row_tensors
+from linnet.data.packing import Example, pack
+from linnet.torch.train import row_tensors
 from linnet.torch import ops
 from linnet.torch.step_in_backward import stepping_in_backward, supported
 
@@ -124,8 +124,8 @@ def sharded(card, compile: str | None = None, dtype: str = "f32", recompute: str
 
 def training(rank: int, world: int, card, compile: str | None, in_backward: bool, optimizer_kind=torch.optim.AdamW,
              dtype: str = "f32", reshard_after_forward: bool = True):
-    """STEPS of linnet.train, sharded over `world` ranks: the losses, the parts, the optimizer's state."""
-    from linnet.train import train
+    """STEPS of linnet.torch.train, sharded over `world` ranks: the losses, the parts, the optimizer's state."""
+    from linnet.torch.train import train
 
     torch.set_num_threads(1)  # the same sums in the same order, run to run
     model = sharded(card, compile, dtype, reshard_after_forward=reshard_after_forward)
@@ -181,7 +181,7 @@ def test_training_that_steps_in_the_backward_equals_stepping_after(card, compile
 def reductions(rank: int, world: int, card, compile: str | None, in_backward: bool) -> tuple[int, int, int]:
     """(the reduce-scatters that a bf16 step on one rank runs, after a first (compiling) step; the parts; the
     layers' parts)."""
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = sharded(card, compile, "bf16")
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-3, fused=True)
@@ -259,7 +259,7 @@ def test_a_backward_inside_steps_every_part_and_keeps_no_gradient(card, compile)
 
 
 def test_train_asked_to_step_in_the_backward_names_why_it_cannot(card):
-    from linnet.train import train
+    from linnet.torch.train import train
 
     model = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
                       cast_dtype=True, trainable=True, weights="random", seed=0, entry="loss_packed")
@@ -308,7 +308,7 @@ def test_each_part_steps_as_soon_as_its_gradient_is_complete(card, world):
 
 def settings_changed(rank: int, world: int, card, in_backward: bool):
     """Two compiled `train` runs on one model, the weight decay changed between them: the parts."""
-    from linnet.train import train
+    from linnet.torch.train import train
 
     torch.set_num_threads(1)
     model = sharded(card, "inductor")

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from linnet.tasks import generate, messages
+from linnet.data.synthetic_tasks import generate, messages
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "linnet" / "cards" / "tokenizers" / "tiny"
-TASKS = REPO / "examples" / "07-fsdp" / "data" / "tasks.jsonl"
+TASKS = REPO / "examples" / "sft" / "data" / "tasks.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_generate_is_deterministic():
 
 def test_make_tasks_reproduces_committed_file(tmp_path):
     out = tmp_path / "tasks.jsonl"
-    run_script("examples/07-fsdp/make_tasks.py", "--out", str(out))
+    run_script("examples/sft/make_tasks.py", "--out", str(out))
     assert out.read_bytes() == TASKS.read_bytes()
     lines = TASKS.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 4000

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from linnet import nest
-from linnet.packing import Example, pack
+from linnet.data.packing import Example, pack
 from linnet.torch import fully_shard
-from linnet.train import cosine_schedule, train
+from linnet.torch.train import cosine_schedule, train
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)

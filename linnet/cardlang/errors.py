@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from linnet.errors import UserError
 
-class CardError(ValueError):
+
+class CardError(UserError):
     """A mistake in a card: `path:line: message`."""
 
     def __init__(self, path: str, line: int | None, message: str):
@@ -12,5 +14,5 @@ class CardError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
-class GenericsError(ValueError):
+class GenericsError(UserError):
     """Generics passed at load that do not match what the card declares."""

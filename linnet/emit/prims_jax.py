@@ -138,7 +138,7 @@ def attention_fast(q, k, v, mask, kernel=None):
             out = branches[min(kernel, len(branches) - 1)](q, k, v)
         else:
             which = jnp.searchsorted(jnp.array(bounds, jnp.int32), jnp.max(mask) + 1)  # by the most documents a row
-            # Offsets and lengths hold for segments that never fall along a row (linnet.packing's): others, dense.
+            # Offsets and lengths hold for segments that never fall along a row (linnet.data.packing's): others, dense.
             ordered = jnp.all(mask[:, 1:] >= mask[:, :-1]) & (jnp.min(mask) >= 0)
             out = jax.lax.switch(jnp.where(ordered, which, len(branches) - 1), branches, q, k, v)
     return out.transpose(0, 2, 1, 3)  # (B, H, S, Dh)

@@ -9,7 +9,7 @@ decided here, in one place: unsharded code reads them directly; sharded code
 uses it, and runs each function that takes a group through `checkpointed(...)`,
 both supplied by the caller; in JAX a layer loop becomes `x = over_layers(one_layer,
 x, params["layers"])`, which the caller binds to a loop over a list of layers or to
-`lax.scan` over one stacked array. Given a `schedule` (linnet/emit/schedule.py, used
+`lax.scan` over one stacked array. Given a `schedule` (linnet/sharding/schedule.py, used
 by linnet.torch.fully_shard), the layer loop launches its gathers ahead and
 each layer waits for its own."""
 
@@ -25,8 +25,8 @@ from linnet.cardlang.check import Checked
 from linnet.cardlang.primitives import PRIMITIVES
 from linnet.cardlang.program import REGION_SUFFIX, FunctionDecl, GroupDecl
 from linnet.cardlang.types import GroupType, MaskType, TensorType, TupleType
-from linnet.emit.products import Versions, linear_read, replaced, runs_in
-from linnet.emit.schedule import Schedule
+from linnet.emit.fused_linears import Versions, linear_read, replaced, runs_in
+from linnet.sharding.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def emit(
 
 def late_parts(checked: Checked, backend: Backend, schedule: Schedule, entries: list[str]) -> list[tuple[str, int | None]]:
     """The parts that the sharded code of `entries` marks `late=True` (reduced last: their mean across the
-    replicas is left to after the backward, linnet/torch/replicas.py), as the emitter writes them:
+    replicas is left to after the backward, linnet/torch/hybrid.py), as the emitter writes them:
     (params key, 0) for the first layer of a group a layer loop runs over, (params key, None) for a group
     an entry gathers first (the tied embedding). Empty without replicas."""
     writer = _Writer(checked, backend, True, True, schedule)

@@ -1,5 +1,5 @@
 """Checkpoints of a JAX training run (linnet.jax.train), crash-safe as the
-PyTorch ones: linnet/checkpoint_folder.py writes the folder aside and makes it
+PyTorch ones: linnet/checkpoint/folder.py writes the folder aside and makes it
 visible with its manifest, last.
 
 One process drives every device (or one a machine, each holding a copy of
@@ -36,9 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet import checkpoint_folder, folder_lock, resume_check
+from linnet.checkpoint import folder as checkpoint_folder
+from linnet.checkpoint import lock as folder_lock
+from linnet.checkpoint import resume_check
 from linnet.jax.shard import from_host, to_host
-from linnet.storage import storage_errors
+from linnet.checkpoint.storage import storage_errors
 
 FRAMEWORK = "jax"
 NPY_HEADER = 128  # bytes before an .npy file's data

@@ -22,7 +22,7 @@ from linnet.emit.jax_backend import JAX
 from linnet.jax.shard import ShardedWeights, part_at, to_host, unshard_weights
 from linnet.jax.xla import xla_options
 from linnet.model import LoadedModel
-from linnet.weights import group_specs
+from linnet.hf.read import group_specs
 
 JAX_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
@@ -96,13 +96,12 @@ class JaxModel(LoadedModel):
         self.check_whole("save_weights")
         import torch
 
-        from linnet.export import write_hf_checkpoint
-        from linnet.torch.model import TORCH_DTYPES
+        from linnet.hf.write import DTYPES, write_hf_checkpoint
 
         names = {jnp.dtype(d): name for name, d in JAX_DTYPES.items()}
         if jnp.dtype(dtype) not in names:
             raise ValueError(f"save_weights(dtype=...) takes one of {list(JAX_DTYPES.values())}, got {dtype}")
-        torch_dtype = TORCH_DTYPES[names[jnp.dtype(dtype)]]
+        torch_dtype = DTYPES[names[jnp.dtype(dtype)]]
         shapes = {spec.checkpoint_name: spec.shape for spec in self.specs()}
         tensors = ((name, torch.from_numpy(weight)) for name, weight in self._host_weights())  # converted as written
         if jax.process_index() != 0:  # every process holds them all (linnet.jax.train): the first writes

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from linnet.cardlang.check import Checked
-from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, group_specs
+from linnet.hf.read import CheckpointWeights, RandomWeights, SliceReader, group_specs
 
 
 @dataclass(frozen=True)

@@ -49,14 +49,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from linnet import resume_check
+from linnet.checkpoint import resume_check
 from linnet.emit import prims_jax
 from linnet.history import History, Progress, Step
 from linnet.jax import shard
 from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
 from linnet.jax.model import JAX_DTYPES, JaxModel
 from linnet.jax.xla import xla_options
-from linnet.packing import LOSS_PACKED_INPUTS, Row, stack_rows
+from linnet.data.packing import LOSS_PACKED_INPUTS, Row, stack_rows
 
 __all__ = ["default_mesh", "evaluate", "own_rows", "train"]
 

@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 
 from linnet.emit.torch_backend import TORCH
+from linnet.hf.write import DTYPES
 from linnet.model import LoadedModel
 from linnet.torch import ops  # noqa: F401  registers torch.ops.linnet (prims_torch.cross_entropy_in_one_op calls it)
-from linnet.torch.schemas_once import schemas_once
+from linnet.torch.compile_once import schemas_once
 
-TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+TORCH_DTYPES = DTYPES
 
 
 class TorchModel(LoadedModel):
@@ -27,7 +28,7 @@ class TorchModel(LoadedModel):
             device = torch.device("cuda", torch.cuda.current_device())
         self.trainable, self.compile_mode, self.device = trainable, compile, device
         self.sharding = None  # set by linnet.torch.fully_shard
-        self.late_parts = None  # set by fully_shard with replicas: the parts reduced last (linnet/torch/replicas.py)
+        self.late_parts = None  # set by fully_shard with replicas: the parts reduced last (linnet/torch/hybrid.py)
         self.stepping = None  # an optimizer stepping in the backward, while it does (linnet/torch/step_in_backward.py)
         self.unusable: str | None = None  # why, where a fully_shard failed after it began to change the model
         self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
@@ -67,7 +68,7 @@ class TorchModel(LoadedModel):
 
     def _compile(self, function, dynamic: bool | None = None):
         if self.compile_mode == "inductor":
-            # Communicating, the generated code's order is the schedule (linnet/emit/schedule.py): inductor's
+            # Communicating, the generated code's order is the schedule (linnet/sharding/schedule.py): inductor's
             # reordering for peak memory would move collectives' waits next to their launches.
             # With a layer compiled once, the pass also reorders the region's calls and reads saved
             # activations after their buffers are reused (wrong gradients; benchmarks/NOTES.md).
@@ -149,13 +150,13 @@ class TorchModel(LoadedModel):
         Sharded, every rank must call it: each group is gathered in turn and the first rank writes it (of
         the first replica, with hybrid sharding), so no rank holds more than one group whole; if the write
         fails, every rank raises."""
-        from linnet.export import check_dtype, write_hf_checkpoint
+        from linnet.hf.write import check_dtype, write_hf_checkpoint
 
         check_dtype(dtype)
         shapes = {spec.checkpoint_name: spec.shape for spec in self.specs()}
         if self.sharding is None:
             return write_hf_checkpoint(self.card, shapes, self.named_weights(), Path(path), dtype, max_shard_size=max_shard_size)
-        from linnet.agree import together
+        from linnet.torch.agree import together
         from linnet.torch.shard import gathered_weights
 
         gathered = gathered_weights(self, dtype)
@@ -177,7 +178,7 @@ class TorchModel(LoadedModel):
     def _agree(self, check, what: str) -> None:
         if self.sharding is None:
             return check()
-        from linnet.agree import agree_on_check
+        from linnet.torch.agree import agree_on_check
 
         agree_on_check(check, what, self.sharding.group_name)
 

@@ -12,12 +12,12 @@ The order is fixed:
      unsharded model draws), when the model was not read yet; else drop the
      full weights group by group, so the model is never held twice;
   4. regenerate the entries under a communication schedule
-     (linnet/emit/schedule.py: each layer's gather launched `prefetch` layers
+     (linnet/sharding/schedule.py: each layer's gather launched `prefetch` layers
      ahead) with the functions it calls bound here: the backward of a gather
      reduce-scatters the gradient into the f32 part, and each layer's gathered
      weights are not kept for the backward (ZeRO-3): the backward gathers them
      again. Two exceptions: compiled, the layers whose backward comes first
-     (the last prefetch + 1, linnet/emit/schedule.py) keep theirs; and
+     (the last prefetch + 1, linnet/sharding/schedule.py) keep theirs; and
      reshard_after_forward=False keeps every gather. A table read only by
      lookups (an untied embedding) is never gathered: `lookup` moves the rows
      of the tokens instead.
@@ -44,15 +44,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from linnet import agree, watchdog
-from linnet.emit.products import runs_by_group
-from linnet.emit.schedule import Schedule
+from linnet.torch import agree
+from linnet.torch import watchdog
+from linnet.emit.fused_linears import runs_by_group
+from linnet.sharding.schedule import Schedule
 from linnet.emit.source import late_parts
 from linnet.torch import ops
 from linnet.torch.model import TorchModel
-from linnet.torch.replicas import LateParts
+from linnet.torch.hybrid import LateParts
 from linnet.torch.step_in_backward import Stepped, taken
-from linnet.weights import CheckpointWeights, RandomWeights, SliceReader, group_specs
+from linnet.hf.read import CheckpointWeights, RandomWeights, SliceReader, group_specs
 
 ALIGN = 16  # elements: each tensor of a group starts on a 64-byte boundary in f32
 
@@ -104,7 +105,7 @@ class Sharding:
     replicate_group_name: str | None = None  # the ranks that hold the same parts (the mesh's "replicate" dimension)
     replicas: int = 1
     replica: int = 0  # this rank's, in that group: replica 0 writes the parts into checkpoints
-    # card group name -> the runs of its weights that the code multiplies one input by (linnet/emit/products.py):
+    # card group name -> the runs of its weights that the code multiplies one input by (linnet/emit/fused_linears.py):
     # each viewed as one matrix of the gathered buffer where its weights lie side by side
     products: dict = field(default_factory=dict)
 
@@ -122,7 +123,7 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     and waited for where the backward ends, under the layers below; eager: at once). An untied
     embedding's part is not all-reduced: its rows' gradients are gathered from every rank. The parts
     reduced last (the first layer's, a tied embedding's) are averaged across the replicas after the
-    backward (linnet/torch/replicas.py): in `train`, under the optimizer's step of the other parts.
+    backward (linnet/torch/hybrid.py): in `train`, under the optimizer's step of the other parts.
 
     recompute: "gather" keeps each layer's activations and gathers its weights
     again in the backward; "matmuls" keeps only the outputs of its matrix
@@ -144,7 +145,7 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     gradients are f32, and they are the gradient of the mean of the ranks'
     losses (as DDP and FSDP2 give).
     stall_timeout: seconds after which the other ranks end the run, naming it,
-    when a rank stops answering (linnet/watchdog.py; default LINNET_STALL_TIMEOUT
+    when a rank stops answering (linnet/torch/watchdog.py; default LINNET_STALL_TIMEOUT
     or 300; 0: never).
     """
     match recompute:
@@ -295,7 +296,7 @@ def _parts_from_source(model: TorchModel, layouts: dict, rank: int, world: int) 
 
 
 def _bindings(sharding: Sharding) -> dict:
-    """What the sharded source calls (linnet/emit/schedule.py says where)."""
+    """What the sharded source calls (linnet/sharding/schedule.py says where)."""
     return {
         "gather": partial(_gather, sharding),
         "launch_gather": partial(_launch_gather, sharding),
@@ -313,7 +314,7 @@ def _bindings(sharding: Sharding) -> dict:
 
 def _across(sharding: Sharding, late: bool) -> tuple[str, int]:
     """(replicate group name, replicas) that a part's reduction goes on across: none for a part reduced
-    last (`late`), whose mean across the replicas follows the backward (linnet/torch/replicas.py)."""
+    last (`late`), whose mean across the replicas follows the backward (linnet/torch/hybrid.py)."""
     return ("", 1) if late else (sharding.replicate_group_name or "", sharding.replicas)
 
 

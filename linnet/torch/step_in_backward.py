@@ -43,7 +43,7 @@ schedule's changes, in a tensor that the compiled graph reads). `train`
 steps this way where `supported` finds nothing against it: Adam or AdamW
 without amsgrad, maximize, differentiable, step hooks or gradient hooks on a
 part, which would each see a step or a gradient that is not there. The parts whose mean
-across replicas follows the backward (linnet/torch/replicas.py) keep their
+across replicas follows the backward (linnet/torch/hybrid.py) keep their
 gradient for the optimizer's step."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 from linnet.torch import ops
-from linnet.torch.replicas import has_step_hooks
+from linnet.torch.hybrid import has_step_hooks
 
 
 class AdamSettings(NamedTuple):

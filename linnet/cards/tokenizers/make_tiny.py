@@ -1,4 +1,4 @@
-"""Train the tiny tokenizer (linnet/cards/tokenizers/tiny) on linnet.tasks chats.
+"""Train the tiny tokenizer (linnet/cards/tokenizers/tiny) on linnet.data.synthetic_tasks chats.
 
 Run from the repository root:
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from linnet.tasks import generate, messages
+from linnet.data.synthetic_tasks import generate, messages
 
 VOCAB_SIZE = 512
 # In this order, so the ids match the tiny-llama card: bos 0, eos (<|eot_id|>) 4.

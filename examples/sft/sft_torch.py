@@ -3,17 +3,17 @@ parallelism (FSDP): each process holds a quarter of every weight, gradient
 and AdamW state (on four GPUs), and gathers a layer's weights only while the
 layer runs. Run under torchrun:
 
-    torchrun --nproc_per_node=4 examples/07-fsdp/sft_torch.py
+    torchrun --nproc_per_node=4 examples/sft/sft_torch.py
 
 Offline, on a CPU, with the tiny card and the repo's own instruction data:
 
-    torchrun --nproc_per_node=2 examples/07-fsdp/sft_torch.py --card tiny-llama \\
-        --data examples/07-fsdp/data/tasks.jsonl --tokens 512 --steps 40 --lr 3e-3
+    torchrun --nproc_per_node=2 examples/sft/sft_torch.py --card tiny-llama \\
+        --data examples/sft/data/tasks.jsonl --tokens 512 --steps 40 --lr 3e-3
 
 On two machines of 8 GPUs (the same command on each; --sharding auto shards inside each machine):
 
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
-        examples/07-fsdp/sft_torch.py
+        examples/sft/sft_torch.py
 """
 
 import argparse
@@ -21,11 +21,12 @@ import os
 
 import torch
 
-from linnet import nest, userdata
+from linnet import nest
+from linnet.recipes import sft
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error
 from linnet.torch import fully_shard
 from linnet.torch.mesh import SHARDINGS, torchrun_mesh
-from linnet.train import Example, cosine_schedule, evaluate, pack, train
+from linnet.torch.train import Example, cosine_schedule, evaluate, pack, train
 
 # A mistake in the options, the card or the data ends the run before it trains: one line, from the
 # first process, and exit status 2 (tracebacks are for bugs).
@@ -49,7 +50,7 @@ parser.add_argument("--sharding", choices=SHARDINGS, default="auto", help="flat:
                     "torchrun runs on more than one machine")
 args = parser.parse_args()
 TOKENS = args.tokens
-warmup = userdata.warmup_steps(args.warmup, args.steps)
+warmup = sft.warmup_steps(args.warmup, args.steps)
 
 cuda = torch.cuda.is_available()
 torch.distributed.init_process_group("nccl" if cuda else "gloo")
@@ -57,7 +58,7 @@ rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 if cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-userdata.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
+sft.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
 tokenizer = nest.tokenizer(args.card)
 
 
@@ -71,10 +72,10 @@ def example(row: dict) -> Example:
     return Example.prompted(prompt, answer[: 2048 - len(prompt)])
 
 
-training_rows, held_out_rows = userdata.split_held_out(userdata.alpaca_rows(args.data), args.held_out, args.data)
+training_rows, held_out_rows = sft.split_held_out(sft.alpaca_rows(args.data), args.held_out, args.data)
 # One packed row a process a step: the processes take turns over the batches.
-batches = userdata.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, world)
-held_out = userdata.enough_held_out(pack(map(example, held_out_rows), TOKENS), world, args.held_out)
+batches = sft.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, world)
+held_out = sft.enough_held_out(pack(map(example, held_out_rows), TOKENS), world, args.held_out)
 
 model = nest.load(
     args.card,

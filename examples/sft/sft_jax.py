@@ -8,15 +8,15 @@ default memory fraction, so set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95).
 Offline, on a CPU, with the tiny card, the repo's own instruction data and
 four host devices as the mesh:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/07-fsdp/sft_jax.py \\
-        --card tiny-llama --data examples/07-fsdp/data/tasks.jsonl --tokens 512 --steps 40 --lr 3e-3
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/sft/sft_jax.py \\
+        --card tiny-llama --data examples/sft/data/tasks.jsonl --tokens 512 --steps 40 --lr 3e-3
 
 On several machines, one process a machine, each started with the first machine's address and its own
 number (linnet/jax/hosts.py); each machine holds a copy of the parts, split over its own GPUs, and the
 gradients are summed across machines:
 
-    JAX_COORDINATOR_ADDRESS=HOST:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python examples/07-fsdp/sft_jax.py   # on HOST
-    JAX_COORDINATOR_ADDRESS=HOST:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 python examples/07-fsdp/sft_jax.py   # the other
+    JAX_COORDINATOR_ADDRESS=HOST:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python examples/sft/sft_jax.py   # on HOST
+    JAX_COORDINATOR_ADDRESS=HOST:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 python examples/sft/sft_jax.py   # the other
 
 --checkpoint and --out then name a folder every machine sees (a shared file system): the first machine
 writes, and every machine resumes from it.
@@ -27,11 +27,12 @@ import argparse
 import jax
 import optax
 
-from linnet import nest, userdata
+from linnet import nest
+from linnet.recipes import sft
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error
 from linnet.jax import hosts
 from linnet.jax.train import default_mesh, evaluate, own_rows, train
-from linnet.packing import Example, pack
+from linnet.data.packing import Example, pack
 
 # A mistake in the options, the card or the data ends the run before it trains: one line, and exit
 # status 2 (tracebacks are for bugs).
@@ -55,8 +56,8 @@ parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
 args = parser.parse_args()
 TOKENS = args.tokens  # positions in a packed row
-warmup = userdata.warmup_steps(args.warmup, args.steps)
-userdata.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
+warmup = sft.warmup_steps(args.warmup, args.steps)
+sft.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
 
 tokenizer = nest.tokenizer(args.card)
 
@@ -73,9 +74,9 @@ def example(row: dict) -> Example:
 
 hosts.join()  # when started as one of several processes (machines): before any device is used
 mesh = default_mesh()  # every device; over several machines, a copy of the parts a machine
-training_rows, held_out_rows = userdata.split_held_out(userdata.alpaca_rows(args.data), args.held_out, args.data)
+training_rows, held_out_rows = sft.split_held_out(sft.alpaca_rows(args.data), args.held_out, args.data)
 # One packed row a device a step; each machine feeds its own devices.
-batches = userdata.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, mesh.size, "devices")
+batches = sft.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, mesh.size, "devices")
 batches = own_rows(batches, mesh, batch=1)
 held_out = list(pack(map(example, held_out_rows), TOKENS))
 

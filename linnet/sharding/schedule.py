@@ -50,7 +50,7 @@ the backward ends: each runs under the backward of the layers below, and
 below it: its launch says `late=True`, and so does the gather of a group that
 an entry gathers first (the tied embedding). Their reductions stay inside the
 machine, and the mean across the replicas follows the backward
-(linnet/torch/replicas.py), under the optimizer's step of the other parts
+(linnet/torch/hybrid.py), under the optimizer's step of the other parts
 where `train` steps it, instead of ending the backward with nothing to hide it.
 
 The functions the lines call (hold, take, launch_gather, wait_gather,

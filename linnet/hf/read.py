@@ -27,7 +27,7 @@ from linnet.cardlang.check import Checked
 from linnet.cardlang.program import GroupDecl
 
 INDEX = "model.safetensors.index.json"
-SAVE_KEY = "linnet_save"  # in the metadata of each file linnet.export writes, and of its index: the save
+SAVE_KEY = "linnet_save"  # in the metadata of each file linnet.hf.write writes, and of its index: the save
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from linnet import storage
+from linnet.checkpoint import storage
 from linnet.errors import UserError
-from linnet.packing import Row
+from linnet.data.packing import Row
 
 __all__ = ["alpaca_rows", "check_out_folder", "enough_held_out", "read_rows", "rows_for_steps", "split_held_out",
            "warmup_steps"]
@@ -153,7 +153,7 @@ def check_out_folder(path: str | os.PathLike | None, card=None) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not (dist.is_available() and dist.is_initialized()):
         return _check_out_folder(Path(path), needed)
-    from linnet.agree import cpu_group
+    from linnet.torch.agree import cpu_group
 
     problem = [None]
     if dist.get_rank() == 0:
@@ -170,7 +170,7 @@ def _bf16_bytes(card) -> int:
     import math
 
     from linnet import nest
-    from linnet.weights import weight_specs
+    from linnet.hf.read import weight_specs
 
     return 2 * sum(math.prod(spec.shape) for spec in weight_specs(nest.resolve(card).checked()))
 

@@ -11,7 +11,7 @@ not taken for a stopped one; counts, not clocks, cross hosts, so their clocks ne
 that leaves the process group (or exits) says so first, and is not waited for.
 
 A machine that dies closes its sockets: the others' next collective fails within seconds, naming an
-address. `linnet.train` then asks `lost_ranks` which peers' heartbeats have stopped (two beats'
+address. `linnet.torch.train` then asks `lost_ranks` which peers' heartbeats have stopped (two beats'
 time) and raises `RanksLost`, naming them and their machine, instead of the collective's error.
 
     LINNET_STALL_TIMEOUT=600 torchrun ...    # seconds (default 300); 0 turns the watchdog off

@@ -1,8 +1,8 @@
-"""Write the example's instruction data set, data/tasks.jsonl, from linnet.tasks.
+"""Write the example's instruction data set, data/tasks.jsonl, from linnet.data.synthetic_tasks.
 
 Run from the repository root:
 
-    PYTHONPATH=. python examples/07-fsdp/make_tasks.py
+    PYTHONPATH=. python examples/sft/make_tasks.py
 
 It writes 4000 alpaca-format rows (seed 0), one JSON object a line; the same
 command always writes the same bytes, so the committed file can be checked.
@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from linnet.tasks import generate
+from linnet.data.synthetic_tasks import generate
 
 ROWS = 4000
 SEED = 0

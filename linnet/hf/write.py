@@ -4,7 +4,7 @@ and the config.json that `transformers.AutoModelForCausalLM.from_pretrained`
 needs. Each tensor is written as it arrives and dropped, so a 70B model never
 sits in memory whole; the files appear in the folder only once all are complete.
 Every file records the save that wrote it (SAVE_KEY in its metadata), so that a
-folder whose files come from two saves is found (linnet.weights refuses it).
+folder whose files come from two saves is found (linnet.hf.read refuses it).
 
     write_hf_checkpoint(card, {name: shape, ...}, iter([(name, tensor), ...]), folder, torch.bfloat16)
 """
@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from linnet.cards import Card
-from linnet.storage import fsync_dir, write_synced
-from linnet.weights import INDEX, SAVE_KEY
+from linnet.checkpoint.storage import fsync_dir, write_synced
+from linnet.hf.read import INDEX, SAVE_KEY
 
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # by the cards' names
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # decimal, as huggingface_hub's
@@ -161,7 +162,7 @@ def _move_into(folder: Path, partial: Path) -> None:
     earlier save that they did not replace. Until the removal a reader finds a whole save: transformers
     takes model.safetensors before an index, and an earlier save's files stay until the new ones are in.
     Where the two saves share file names, a crash among the renames (a moment, after minutes of
-    writing) leaves some files of each: each file names its save, and linnet.weights refuses the mix."""
+    writing) leaves some files of each: each file names its save, and linnet.hf.read refuses the mix."""
     folder.mkdir(parents=True, exist_ok=True)
     written = {path.name for path in partial.iterdir()}
     for name in sorted(written, key=lambda n: (n == "config.json", n == INDEX)):

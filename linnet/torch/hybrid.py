@@ -2,7 +2,7 @@
 
 With hybrid sharding a part's gradient is reduce-scattered inside its machine
 and then all-reduced across the machines, the two chained by the compiled
-backward under the backward of the layers below (linnet/emit/schedule.py).
+backward under the backward of the layers below (linnet/sharding/schedule.py).
 The parts reduced last have nothing left below them: the first layer's, and
 a group that each entry gathers first (the tied embedding). Their all-reduce
 would end the backward with the device waiting on the slow link. So the
@@ -15,7 +15,7 @@ across the replicas follows the backward:
   expects, through any number of backward passes. There the late parts'
   all-reduces are waited for one by one where the backward ends, with
   nothing under them;
-- in `backward_and_step` (what linnet.train calls), under the optimizer's
+- in `backward_and_step` (what linnet.torch.train calls), under the optimizer's
   step of every other part: their all-reduces are launched once the backward
   is done, the optimizer steps the other parts, and then, once the
   all-reduces are done, the late ones. That is the same update as one step

@@ -8,7 +8,7 @@ waiting in a collective for a rank that has stopped.
 runs the action on this rank (or, with first_rank_does, on the first only), then every rank learns (one all-gather) whether
 any rank failed: the failing ranks raise their own exception, the others a
 RuntimeError that names the failing ranks and their messages (a UserError
-where each failing rank's was a user error, linnet.errors.USER_ERRORS, so
+where each failing rank's was a user error, linnet.errors.UserError, so
 that every rank reports it as one line). A training loop
 that already all-reduces each step counts its problems in that all-reduce and
 calls `raise_together` (no collective unless something failed). `agree_on_check`
@@ -29,7 +29,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from linnet.errors import USER_ERRORS, UserError
+from linnet.errors import UserError
 
 T = TypeVar("T")
 
@@ -79,8 +79,8 @@ def _describe(messages: list[str | None]) -> str:
 
 def _kind(error: Exception) -> str:
     """The name the other ranks know `error` by: UserError for any user error (a FolderInUse, a CardError:
-    linnet.errors.USER_ERRORS), so that it stays one on every rank; otherwise its own."""
-    return UserError.__name__ if isinstance(error, USER_ERRORS) else type(error).__name__
+    linnet.errors.UserError), so that it stays one on every rank; otherwise its own."""
+    return UserError.__name__ if isinstance(error, UserError) else type(error).__name__
 
 
 def together(action: Callable[[], T], what: str, group: dist.ProcessGroup | str | None = None) -> T | None:

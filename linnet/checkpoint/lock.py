@@ -3,7 +3,7 @@ overwrite and prune each other's checkpoints, so a run takes the folder
 before its first step and holds it until it ends.
 
 `take` checks that the folder is a directory this process can write into
-(linnet/storage.py) and takes its `LOCK` file: a `FolderLock`, which holds
+(linnet/checkpoint/storage.py) and takes its `LOCK` file: a `FolderLock`, which holds
 the file locked with flock and records who took it (host, pid, process
 start, boot, when). A second live run is refused with `FolderInUse`, naming
 the holder; a dead run's lock is taken over, with a note: the kernel lets go
@@ -23,7 +23,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Self
 
-from linnet.storage import check_writable_directory, storage_errors
+from linnet.errors import UserError
+from linnet.checkpoint.storage import check_writable_directory, storage_errors
 
 try:
     import fcntl
@@ -33,7 +34,7 @@ except ImportError:  # not POSIX: the lock file's record alone says who holds a 
 LOCK = "LOCK"
 
 
-class FolderInUse(RuntimeError):
+class FolderInUse(RuntimeError, UserError):
     """Another run, still alive, holds the checkpoint folder."""
 
 

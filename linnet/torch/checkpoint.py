@@ -3,9 +3,9 @@
 A checkpoint is a folder `step-00000010/` holding one file a rank (its parts,
 its optimizer state, its RNG state) and `MANIFEST.json`, written last, with
 the step, the world size, the data position, the schedule, the layouts of the
-parts, and each file's size and SHA-256; linnet/checkpoint_folder.py makes it
+parts, and each file's size and SHA-256; linnet/checkpoint/folder.py makes it
 visible only when complete and picks the newest one that checks out, and
-linnet/resume_check.py compares it with the run that resumes it.
+linnet/checkpoint/resume_check.py compares it with the run that resumes it.
 A checkpoint resumes at another world size: the parts and the optimizer state
 are re-split from the saved parts.
 
@@ -29,9 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from linnet import checkpoint_folder, folder_lock, resume_check
-from linnet.agree import first_rank_does, together
-from linnet.storage import storage_errors
+from linnet.checkpoint import folder as checkpoint_folder
+from linnet.checkpoint import lock as folder_lock
+from linnet.checkpoint import resume_check
+from linnet.torch.agree import first_rank_does, together
+from linnet.checkpoint.storage import storage_errors
 
 
 def _world() -> tuple[int, int]:

@@ -9,8 +9,8 @@ a directory (or can be made one) that this process can write into;
 `storage_errors` turns a write's failure for a full, read-only or misplaced
 folder into a `StorageError` naming the path and the cause; `free_space`,
 `total_size` and `gb` measure the disk and the checkpoints for
-linnet/checkpoint_folder.py's check_room and make_room; `write_synced` and
-`fsync_dir` make a file and a folder's new entries durable (linnet/export.py's
+linnet/checkpoint/folder.py's check_room and make_room; `write_synced` and
+`fsync_dir` make a file and a folder's new entries durable (linnet/hf/write.py's
 weights too)."""
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from linnet.errors import UserError
 
-class StorageError(OSError):
+
+class StorageError(OSError, UserError):
     """The checkpoint folder's storage cannot take a checkpoint: its errno says why (ENOTDIR, EROFS, EACCES,
     ENOSPC), its message names the path and what to do."""
 

@@ -1,5 +1,5 @@
 """What a resumed run compares with the checkpoint it resumes from, and how
-it says so, for either framework (linnet/checkpoint.py, linnet/jax/checkpoint.py).
+it says so, for either framework (linnet/torch/checkpoint.py, linnet/jax/checkpoint.py).
 
 A checkpoint of the other framework, or of another model (`model_description`:
 each group's count and weights' shapes, whatever the sharding), is refused

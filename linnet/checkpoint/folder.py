@@ -1,5 +1,5 @@
 """A checkpoint as a folder that becomes visible only when complete, for
-either framework's training loop (linnet/checkpoint.py for PyTorch,
+either framework's training loop (linnet/torch/checkpoint.py for PyTorch,
 linnet/jax/checkpoint.py for JAX).
 
 `step-00000010.partial/` is filled with the state files, each synced; then
@@ -20,10 +20,10 @@ for a person to look at.
 
 `check_room` says before the first step whether the disk can hold one more
 checkpoint; `make_room` deletes the oldest checkpoints (never the newest
-good one) before a save that would not fit. Around them: linnet/folder_lock.py
-holds the folder for one run, linnet/storage.py checks that it is a writable
+good one) before a save that would not fit. Around them: linnet/checkpoint/lock.py
+holds the folder for one run, linnet/checkpoint/storage.py checks that it is a writable
 directory and names a full or read-only disk (StorageError), and
-linnet/resume_check.py compares a checkpoint with the run that resumes it."""
+linnet/checkpoint/resume_check.py compares a checkpoint with the run that resumes it."""
 
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ import shutil
 import warnings
 from pathlib import Path
 
-from linnet.storage import StorageError, free_space, fsync_dir, gb, storage_errors, total_size, write_synced
+from linnet.errors import UserError
+from linnet.checkpoint.storage import StorageError, free_space, fsync_dir, gb, storage_errors, total_size, write_synced
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
 HEADROOM = 1 << 20  # bytes a checkpoint takes beyond its tensors: the manifest, pickle's and .npy's framing
 
 
-class DamagedCheckpoints(RuntimeError):
+class DamagedCheckpoints(RuntimeError, UserError):
     """Every checkpoint in the folder is damaged: the run can neither resume nor start over on top of them."""
 
 

@@ -1,0 +1,1 @@
+"""What the example scripts share: reading the user's data files, checking the output folder before a run."""
