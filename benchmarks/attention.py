@@ -1,4 +1,4 @@
-"""Attention over packed rows, side by side on one GPU (the issue on kernels).
+"""Attention over packed rows, side by side on one GPU (docs/design/kernels.md).
 
 Each candidate computes causal attention in which the documents of a row never
 see each other, forward and backward, in bf16, on (batch 1, seq S) rows of a

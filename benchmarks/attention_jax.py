@@ -1,4 +1,4 @@
-"""JAX attention over packed rows, side by side on one GPU (the issue on JAX speed).
+"""JAX attention over packed rows, side by side on one GPU (docs/design/jax_speed.md).
 
 The JAX twin of benchmarks/attention.py: each candidate computes causal attention
 in which the documents of a row never see each other, forward and backward, in

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The C++ tests (tests/cpp) built with CUDA and run on the lent GPU machine, which has neither
-# GoogleTest nor gloo's headers: they travel from this machine's Debian packages.
+# The C++ tests (tests/cpp) built with CUDA and run on a GPU machine. Needs torch built with CUDA, nvcc and
+# CMake; GoogleTest's sources and gloo's headers come from .whl/cpp, which `pack` fills from the Debian packages
+# libgtest-dev and libgloo-dev of a machine that has them (copy .whl/cpp along where the GPU machine has neither):
 #
-#   here, once:   bash benchmarks/cpp_on_gpu.sh pack      (.whl/cpp, git-ignored: googletest's sources, gloo's headers)
-#   device call:  bash benchmarks/cpp_on_gpu.sh run       carry [".whl/cpp"]; torch must be a CUDA build
+#   bash benchmarks/cpp_on_gpu.sh pack      (.whl/cpp, git-ignored: googletest's sources, gloo's headers)
+#   bash benchmarks/cpp_on_gpu.sh run       on the GPU machine, with .whl/cpp in the checkout
 set -euo pipefail
 case "${1:-}" in
   pack)

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# FlashAttention-4 on the lent H200, for benchmarks/attention.py (the issue on kernels). Its CUDA 13
-# library wheel (nvidia-cutlass-dsl-libs-cu13, 92 MB) is over one device call's 64 MiB carry, so the
-# wheels travel in two halves, in two calls of one lease (the machine keeps /tmp between them while
-# warm: make the second call within its idle release, 30 s):
+# FlashAttention-4 on a Hopper GPU (Python 3.12, torch with CUDA), for benchmarks/attention.py
+# (docs/design/kernels.md). FA4 and the CUTLASS DSL packages it needs are downloaded on a machine that reaches
+# PyPI and installed from those files on the GPU machine, which need not. They are split over two folders of
+# under 64 MiB each, the CUDA 13 library's package (nvidia-cutlass-dsl-libs-cu13, 92 MB) cut in two parts
+# across them, for machines that take files in parts of that size; `first` and `second` put them together in
+# /tmp/fa4:
 #
-#   here, once:   bash benchmarks/fa4.sh download          (.whl/fa4a and .whl/fa4b, git-ignored)
-#   call 1:       bash benchmarks/fa4.sh first             carry [".whl/fa4a"]
-#   call 2:       bash benchmarks/fa4.sh second 8b 1b      carry [".whl/fa4b"]: installs into /tmp/site, then
-#                                                          times attention.py's candidates, FA4 among them
-#   later calls of the lease: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+#   bash benchmarks/fa4.sh download          (.whl/fa4a and .whl/fa4b, git-ignored)
+#   bash benchmarks/fa4.sh first             on the GPU machine, with .whl/fa4a in the checkout
+#   bash benchmarks/fa4.sh second 8b 1b      on the same machine, with .whl/fa4b in the checkout: installs into
+#                                            /tmp/site, then times attention.py's candidates, FA4 among them
+#   afterwards: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 set -euo pipefail
 case "${1:-}" in
   download)
     dir=$(mktemp -d)
-    for wheel in flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
-                 nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2,>=0.1.11" torch-c-dlpack-ext "quack-kernels>=0.5.3"; do
+    for package in flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
+                   nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2,>=0.1.11" torch-c-dlpack-ext "quack-kernels>=0.5.3"; do
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d "$dir" "$wheel"
+        --platform manylinux2014_x86_64 -d "$dir" "$package"
     done
     rm -rf .whl/fa4a .whl/fa4b && mkdir -p .whl/fa4a .whl/fa4b
     mv "$dir"/nvidia_cutlass_dsl_libs_cu13-*.whl "$dir/cu13.whl"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The measurements of the issue on JAX speed, in stages that each fit a device call:
+# The measurements of docs/design/jax_speed.md on one GPU, in stages of a few minutes each:
 #   bash benchmarks/jax_speed.sh attention [1b 8b]   attention candidates over packed rows (benchmarks/attention_jax.py)
-#   bash benchmarks/jax_speed.sh steps CARD [ARGS]    the JAX step as a loop and scanned (step_jax.py ARGS); 8B
-#                                                     needs a call for each (its set-up alone takes minutes)
+#   bash benchmarks/jax_speed.sh steps CARD [ARGS]    the JAX step as a loop and scanned (step_jax.py ARGS); at 8B
+#                                                     each run takes minutes (its set-up alone)
 #   bash benchmarks/jax_speed.sh torch CARD [ARGS]    the PyTorch step of the same card (step.py ARGS; needs the
 #                                                     build: bash benchmarks/kernels.sh build)
 #   bash benchmarks/jax_speed.sh command-buffers CARD [ARGS]  the JAX step under XLA's command-buffer settings: as
@@ -11,7 +11,8 @@
 #   bash benchmarks/jax_speed.sh profile CARD [ARGS]  both steps traced (ARGS to step_jax.py, e.g. --no-remat), each
 #                                                     trace read by trace_gaps.py: idle gaps and kernels by time,
 #                                                     in $OUT/jax-NAME-gaps.txt and $OUT/torch-NAME-gaps.txt (needs the build)
-# Logs under $OUT; each run's RESULT line is printed.
+# Logs under $OUT (given on the command line, else benchmarks/results/DATE-GPU: benchmarks/stage.sh); each run's
+# RESULT line is printed.
 RUN_TAIL=20  # a RESULT line a candidate
 source "$(dirname "$0")/stage.sh"
 case "${1:-}" in

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The measurements of the issue on kernels still owed (benchmarks/NOTES.md, "Next"), in stages that
-# each fit a device call (build first: bash benchmarks/overlap.sh build):
+# The measurements of docs/design/kernels.md on one GPU, in stages of a few minutes each (build first: bash
+# benchmarks/kernels.sh build, or bash benchmarks/overlap.sh build, which also runs the GPU tests):
 #   bash benchmarks/kernels.sh build       the extension alone
 #   bash benchmarks/kernels.sh world1-8b [full matmuls]   8B at world size 1 under those recompute policies, beside the
-#                                          ceiling with activation checkpointing (also the issue on overlap)
+#                                          ceiling with activation checkpointing (also docs/design/schedule.md)
 #   bash benchmarks/kernels.sh once [1b 8b 8b-w4]   a layer compiled once (LINNET_COMPILE_LAYERS_ONCE=1) against
 #                                          the unrolled function, caches off: first step, step, peak, and (8B) the
 #                                          memory and un-waited collectives after each step
@@ -11,14 +11,14 @@
 #                                          (step.py --step-after): step, peak memory and first step, each shape
 #                                          (8b: recompute "gather"; an 8B pair takes about 7 minutes); WHEN
 #                                          picks the runs (default "in-backward after")
-#   bash benchmarks/kernels.sh beside [1b 3b]   the issue's table: Linnet under "gather" and "matmuls", each with
+#   bash benchmarks/kernels.sh beside [1b 3b]   the kernels' table: Linnet under "gather" and "matmuls", each with
 #                                          its gathers made again in the backward and kept (--no-reshard), beside
 #                                          the ceiling (plain_ceiling.py), each shape (default both); LOSS=op swaps in the
 #                                          loss op (step.py --loss op) for Linnet's runs
 #   bash benchmarks/kernels.sh casts [1b 3b]    Adam's step writing each part's cast for the next forward
 #                                          (step.py --casts-from-step) against the forward casting, the layers'
 #                                          casts kept (--no-reshard) and not, beside the ceiling (default 1b)
-#   bash benchmarks/kernels.sh targets [1b 3b 8b]   the issue's table, each shape in one call: Linnet's default,
+#   bash benchmarks/kernels.sh targets [1b 3b 8b]   the kernels' table, each shape in one run: Linnet's default,
 #                                          its quickest (1b, 3b: the layers' casts kept, the step writing them)
 #                                          and (1b) its leanest ("matmuls", the loss op), beside the ceiling and
 #                                          FSDP2 (8b: "gather" beside both with activation checkpointing)
@@ -27,7 +27,8 @@
 #                                          benchmarks/memory_peak.py
 #   bash benchmarks/kernels.sh profile [1b]   two traced steps ("gather"; or 3b): the kernels by time, and the
 #                                          sources of the Triton ones among them (benchmarks/top_kernels.py)
-# Logs under $OUT; each run's RESULT line is printed.
+# Logs under $OUT (given on the command line, else benchmarks/results/DATE-GPU: benchmarks/stage.sh); each run's
+# RESULT line is printed.
 source "$(dirname "$0")/stage.sh"
 case "${1:-}" in
   build)  # the extension alone (overlap.sh build also runs the GPU tests)
@@ -53,7 +54,7 @@ case "${1:-}" in
         esac
       done
     done ;;
-  memory)  # then the shapes, default all three: the issue's memory targets (1B 18 GiB, 3B 48 GiB, 8B 116 GiB)
+  memory)  # then the shapes, default all three: the memory targets (1B 18 GiB, 3B 48 GiB, 8B 116 GiB)
     shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 3b 8b)
     for shape in "${shapes[@]}"; do
       case $shape in 1b) card=llama-3.2-1b; extra=() ;; 3b) card=llama-3.2-3b; extra=() ;;

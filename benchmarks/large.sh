@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Models larger than one GPU (issue 15) on the lent H200, in stages that each fit a device call:
+# Models larger than one GPU, one GPU's share of a simulated world (docs/design/simulation.md), on one GPU with
+# torch with CUDA and nvcc, in stages of a few minutes each:
 #   bash benchmarks/large.sh build     build, the GPU tests
 #   bash benchmarks/large.sh linnet70  Llama 3.1 70B, random weights, full recompute: one GPU's share of 16 ranks
-#   bash benchmarks/large.sh fsdp70    FSDP2 on the same: meta device, activation checkpointing (the issue's command)
+#   bash benchmarks/large.sh fsdp70    FSDP2 on the same: meta device, activation checkpointing
 #   bash benchmarks/large.sh linnet70bf16  the same with a bf16 reduction (half the reduce-scatter's copy)
-#   bash benchmarks/large.sh small     8B at 4 ranks, to show smaller models kept their speed and memory
-# Collectives move nothing and take no time (benchmarks/sim_world.py with SIM_BUS_GBPS=inf, as
-# ../shared/probe/fake_world.py); logs under $OUT, RESULT lines printed.
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
+#   bash benchmarks/large.sh small     8B at 4 ranks, to check that smaller models keep their speed and memory
+# Collectives move nothing and take no time (benchmarks/sim_world.py with SIM_BUS_GBPS=inf); logs under $OUT
+# (given on the command line, else benchmarks/results/DATE-GPU: benchmarks/stage.sh), RESULT lines printed.
+source "$(dirname "$0")/stage.sh"
 sim() {  # world, name, then the script and its arguments
   local world=$1 name=$2; shift 2
   echo "== $name"

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The overlap measurements of benchmarks/NOTES.md on the lent H200, in stages so that each device
-# call fits its 10 minutes (the machine stays warm between calls, the build with it):
+# The overlap measurements of docs/design/schedule.md and docs/design/hybrid.md on one GPU, in stages of under
+# ten minutes each (the build stays in the checkout between them):
 #   bash benchmarks/overlap.sh build      build, CUDA tests of the simulated world and of the GPU path
 #   bash benchmarks/overlap.sh sim4       8B, one GPU's share of 4 ranks: Linnet and FSDP2, no time / 360 GB/s
 #   bash benchmarks/overlap.sh sim8       the same at 8 ranks
 #   bash benchmarks/overlap.sh world1 [1b 3b]  world size 1: Linnet beside the plain compiled ceiling
 #   bash benchmarks/overlap.sh variants   8B at 4 ranks and 360 GB/s: prefetch 2, and a bf16 reduction
 #   bash benchmarks/overlap.sh hybrid M G [linnet fsdp2]  8B on M machines of G GPUs (360 GB/s inside, 45 GB/s
-#                                          between; issue on machines): hybrid and flat, and with no time
+#                                          between; docs/design/hybrid.md): hybrid and flat, and with no time
 #   bash benchmarks/overlap.sh hybrid-trace M G   Linnet's hybrid step of the same, traced: where the compute
 #                                          stream waits (trace_gaps.py), trace in $OUT/hybrid-M-G/
-# Logs under $OUT; each run's RESULT and SIM lines are printed.
+# Logs under $OUT (given on the command line, else benchmarks/results/DATE-GPU: benchmarks/stage.sh); each run's
+# RESULT and SIM lines are printed.
 RUN_SHOWS="^RESULT|^SIM|Error|error:"
 source "$(dirname "$0")/stage.sh"
 sim() {  # world, bus GB/s, name, script and its arguments

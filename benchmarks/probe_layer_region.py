@@ -1,4 +1,4 @@
-"""Probe for the issue on kernels (compile once a layer): does wrapping the generated layer function
+"""Probe for compiling a layer once (docs/design/compile_time.md): does wrapping the generated layer function
 in torch.compiler.nested_compile_region keep the gradients, and how long does the first call take?
 
     python3 benchmarks/probe_layer_region.py [--layers 8] [--wrap] [--options '{"reorder_for_peak_memory": false}']

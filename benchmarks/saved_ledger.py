@@ -1,7 +1,7 @@
 """What a compiled training step keeps from its forward for its backward, on the CPU: every tensor the
 compiled entry saves (autograd's saved-tensor hooks see them), by shape and dtype, less the parts and
 the optimizer's state, which are held anyway. Where a GPU's peak falls at the backward's start (the 1B's,
-benchmarks/NOTES.md), this is what the recompute policy changes, read here without a GPU, at the card's
+docs/design/recompute.md), this is what the recompute policy changes, read here without a GPU, at the card's
 widths with fewer layers and tokens (a layer's activations grow with its tokens).
 
     python benchmarks/saved_ledger.py --card llama-3.2-1b --tokens 256 --recompute matmuls

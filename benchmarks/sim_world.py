@@ -1,7 +1,7 @@
 """Runs a training-step script as rank 0 of a simulated world of SIM_WORLD ranks on one GPU: the
-collectives move no data (as in ../shared/probe/fake_world.py), but each one holds a communication
-stream busy for the time its bytes would take at a bus bandwidth of SIM_BUS_GBPS, so communication
-the script leaves exposed shows up in its step time:
+collectives move no data, but each one holds a communication stream busy for the time its bytes
+would take at a bus bandwidth of SIM_BUS_GBPS, so communication the script leaves exposed shows up
+in its step time (docs/design/simulation.md):
 
     SIM_WORLD=4 SIM_BUS_GBPS=360 LOCAL_RANK=0 python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
     SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8

@@ -1,8 +1,8 @@
 """How far a training that steps in the backward and one that steps after it part on one GPU: each part's
 distance and the elements that differ, for the cases of tests/test_gpu.py's
 `test_the_step_in_the_backward_equals_the_step_after_on_the_gpu`, run one after another in one process as
-pytest runs them. Eager they were equal to the bit on an H100; compiled, the two functions round their bf16
-gradients apart, by an amount that changed from machine to machine (benchmarks/NOTES.md, twenty-third session).
+pytest runs them. Eager they are equal to the bit; compiled, the two functions round their bf16 gradients
+apart, by an amount that differs from machine to machine (docs/design/step_in_backward.md).
 
     python3 benchmarks/step_in_backward_diff.py [--cases True-None,True-inductor] [--eps 1e-6]
 

@@ -1,15 +1,16 @@
 """The benchmark table in one command: every system on the same shapes, rows and steps, from the
 same start (benchmarks/shared_start.py), one after another on this machine's GPUs.
 
-    python3 benchmarks/table.py --out benchmarks/results/table [--shapes 1b,3b,8b] [--steps 30] [--gpus 4]
+    python3 benchmarks/table.py --out benchmarks/results/DATE-GPU/table [--shapes 1b,3b,8b] [--steps 30] [--gpus 4]
     python3 benchmarks/table.py --out ... --sim 4        # one GPU's share of 4 ranks (sim_world.py, 360 GB/s)
     python3 benchmarks/table.py --render OUT             # the table and plot again from OUT's JSON files
 
-Writes OUT/SHAPE/SYSTEM.json (the run's RESULT line, its command and exit status), OUT/table.md in
-the seed's form (step, tokens/s, peak a GPU, held-out loss at start and end) and OUT/plot.png
-(tokens/s and peak memory by system and shape). A system that runs out of memory is run again with
-its memory-saving option (activation checkpointing, full recompute, remat), which the table names.
-Systems that a simulated world cannot run (JAX, TRL: their own runtimes) are left out under --sim.
+DATE-GPU: the day and the GPU, e.g. 2026-01-31-h200. Writes OUT/SHAPE/SYSTEM.json (the run's RESULT
+line, its command and exit status), OUT/table.md in the seed's form (step, tokens/s, peak a GPU,
+held-out loss at start and end) and OUT/plot.png (tokens/s and peak memory by system and shape). A
+system that runs out of memory is run again with its memory-saving option (activation checkpointing,
+full recompute, remat), which the table names. Systems that a simulated world cannot run (JAX, TRL:
+their own runtimes) are left out under --sim.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ NOTES = """\
   4096-token row, none attending to another) from the same initial weights, and is measured on the
   same held-out rows. Linnet's flex attention (PyTorch) skips the blocks across documents. transformers' SDPA
   (FSDP2, TRL) builds a dense block-diagonal mask from the rows' positions and runs a masked kernel
-  over the whole row: the image has no flash-attn, whose varlen kernel TRL recommends.
+  over the whole row: flash-attn, whose varlen kernel TRL recommends, is not installed.
 - The ceiling (benchmarks/peers/plain_ceiling.py) is transformers' Llama compiled whole, with no
   sharding, on random tokens, each row one causal document: it has no held-out loss, and its
   attention does the whole causal triangle, more than a packed row's documents need.

@@ -318,8 +318,8 @@ def schedules(rank: int, world: int, card, configurations: list) -> list:
 @pytest.mark.parametrize("world", [2, 3])
 def test_prefetch_depths_train_alike_when_compiled(card, world):
     """The schedule moves communication, never arithmetic: every prefetch depth trains alike. Not to the
-    bit: two compiled ranks on the CPU differ run to run by ~1e-7 of a gradient, at any one depth too
-    (an AMD EPYC, nineteenth session: benchmarks/NOTES.md), which Adam's steps grow to ~1e-6 of a weight."""
+    bit: two compiled ranks on the CPU differ run to run in a gradient's last bits, at any one depth too,
+    which Adam's steps grow (docs/design/schedule.md)."""
     depths = [("inductor", "gather", prefetch) for prefetch in (0, 1, 2)] + [("inductor", "full", 2)]
     expected_losses, expected_weights = reference(card, world)
     runs = run(schedules, world, card, depths, timeout=1200)[0]

@@ -11,12 +11,10 @@ norms and loss against eager ones. A bf16 result carries a relative rounding of 
 a loss is the mean of some 2,000 trained positions' cross-entropies, so those roundings mostly cancel
 in it, but they change every gradient a little, and AdamW's normalised step turns a small change of a
 near-zero gradient into a step of full size, so the two runs may drift apart over the steps.
-Measured on one H200 (benchmarks/results/session5/table/1b, the table's run of the same two scripts):
-the held-out loss before training 0.005% apart, each step's loss at most 0.035% and the held-out
-loss after 30 steps 0.006%; TRL's FSDP2, which also reduces gradients in bf16, was at most 0.42% off
-a step. The bounds below are ten times those or more: 0.05% before training, 0.5% a step, 0.1% after.
-What they catch: the FSDP2 peer attending across the documents of a row (as it did until use_cache
-was turned off) started 0.12% off and ended 25% off.
+The bounds below are ten times or more the differences of the benchmark table's run of the same two
+scripts (its 1B table under benchmarks/results/): 0.05% before training, 0.5% a step, 0.1% after.
+What they catch: the FSDP2 peer attending across the documents of a row (Hugging Face's use_cache on)
+drifts far past them.
 """
 
 from __future__ import annotations

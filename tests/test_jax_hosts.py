@@ -1,4 +1,4 @@
-"""linnet.jax over several processes, as on several machines (issue on machines): two processes on the
+"""linnet.jax over several processes, as on several machines: two processes on the
 loopback address, 2 host devices each, joined by linnet.jax.hosts, train as one process does on 4
 devices; the checkpoint they write resumes in one process."""
 

@@ -239,9 +239,9 @@ def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits(recomput
 
 def test_the_recomputed_loss_carries_no_sum_through_a_loop():
     """The form train runs under remat sums the chunks' head gradients from a stack, with no loop carrying
-    the sum: on an H200 a carried sum (f32 or bf16) made XLA keep every layer's gradient to the optimizer's
-    update, and the 8B with remat ran out of memory (benchmarks/NOTES.md, thirteenth session). The one-pass
-    form carries its sum (quicker without remat), which this reads too, so the walk sees loops."""
+    the sum: a carried sum (f32 or bf16) makes XLA keep every layer's gradient to the optimizer's update
+    (docs/design/jax_speed.md). The one-pass form carries its sum (quicker without remat), which this reads
+    too, so the walk sees loops."""
     from linnet.emit import prims_jax
 
     hidden, head = jnp.zeros((2, 4096, 32), jnp.bfloat16), jnp.zeros((500, 32), jnp.bfloat16)

@@ -1,6 +1,6 @@
 """A rank that dies or errs stops every rank within seconds, with a message that
 names it, rather than leaving the others waiting in a collective until the
-process group's timeout (issue 7, point 6)."""
+process group's timeout."""
 
 from __future__ import annotations
 

@@ -160,19 +160,18 @@ def compile_attempts(rank: int, world: int, card) -> list[str]:
 
 
 def test_the_step_in_the_backward_compiles_at_the_first_attempt(card):
-    """The learning rate enters as a one-element host tensor. As a 0-d f64 one, torch.compile read it as a
-    float, threw away its whole first compile of the step and compiled again (the 8B's first step 40 s
-    longer on the H200, benchmarks/NOTES.md)."""
+    """The learning rate enters as a one-element host tensor. As a 0-d f64 one, torch.compile reads it as a
+    float, throws away its whole first compile of the step and compiles again
+    (docs/design/compile_time.md)."""
     assert run(compile_attempts, 1, card, timeout=300)[0] == ["compile_attempt_0"]
 
 
 @pytest.mark.parametrize("compile", [None, "inductor"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_training_that_steps_in_the_backward_equals_stepping_after(card, compile, world):
-    """Compiled on two ranks on the CPU, one run's gradients differ from another's by ~1e-7 of their
-    largest (the same run stepping after, too; eager and one rank are repeatable to the bit), which
-    Adam's steps, dividing its moments, grow to ~7e-7 of a tensor's largest over four steps (an AMD EPYC,
-    nineteenth session: benchmarks/NOTES.md). Held to 1e-5."""
+    """Compiled on two ranks on the CPU, one run's gradients differ from another's in their last bits (the
+    same run stepping after, too; eager and one rank are repeatable to the bit), which Adam's steps,
+    dividing its moments, grow (docs/design/step_in_backward.md). Held to 1e-5."""
     after, within = (run(training, world, card, compile, in_backward, timeout=300) for in_backward in (False, True))
     for rank in range(world):
         assert_same_training(within[rank], after[rank], noise=1e-5 if compile and world > 1 else 0.0)

@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="SFTConfig.torch_compile: accelerate compiles the prepared model")
     p.add_argument("--shape", help="label for the RESULT line (default: hidden size x layers from config.json)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager", "flash_attention_2"],
-                   help="attn_implementation (the image has no flash-attn: sdpa, transformers' default)")
+                   help="attn_implementation (default sdpa, transformers' own; flash-attn is not installed)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
                    help="bf16: SFTConfig(bf16=True) and the launcher's mixed_precision bf16 (the table); "
                         "fp32: no mixed precision (only for checking the loss by hand on a CPU; under accelerate "
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
         "SFTTrainer's packing=True (bfd); fed pre-tokenized (dataset_kwargs skip_prepare_dataset) through TRL's "
         "padding-free collator, with the rows' own position_ids and pre-shifted labels (shift_labels); "
         "train_sampling_strategy sequential (rank r of W gets rows r, r+W, ...), remove_unused_columns False",
-        f"attention: {args.attn} (no flash-attn on the GPU image; TRL recommends flash_attention_2 for packing); "
+        f"attention: {args.attn} (flash-attn not installed; TRL recommends flash_attention_2 for packing); "
         + ("documents in a row attend only to themselves: transformers builds the block-diagonal causal mask from "
            "position_ids (a dense S x S mask under SDPA)" if separate else
            "WARNING: the mask built from position_ids does not match the rows' segments"),

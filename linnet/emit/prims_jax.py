@@ -89,7 +89,7 @@ def attention_fast(q, k, v, mask, kernel=None):
     # documents numbered 0, 1, ... along each row. On an Ampere or later GPU, in bf16 or f16, cuDNN's
     # fused attention: causal where every row is one document; else, on Hopper or later, its packed
     # layout (each document a segment, by its start and length) for up to 8 or 16 documents a row; else
-    # the dense document mask as a bias with the upper triangle skipped (benchmarks/NOTES.md has the
+    # the dense document mask as a bias with the upper triangle skipped (docs/design/jax_speed.md has the
     # kernels side by side). `kernel` is the choice, 0 to 3 in that order (`rows_kernel`), where the rows
     # were seen on the host before the code was traced (linnet.jax.train: no conditional on the device);
     # None: made on the device, a lax.switch on the rows' document count. Elsewhere, and in f32, XLA's
@@ -207,11 +207,9 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
     #   once to the head's dtype and the chunks' stacked (chunks x Vocab x D while the backward runs: 3.9
     #   GiB at 8B and 4096 positions, growing with the row), then summed in f32. linnet.jax.train
     #   recomputes under remat.
-    # Measured on an H200 (benchmarks/NOTES.md, eleventh and thirteenth sessions): with remat, either
-    # carried sum (the one-pass form's, or a recomputed one's) made XLA keep every layer's gradient to the
-    # optimizer's update (3B: 50.3 GiB against 40.9; the 8B out of memory), the stacked sum not (8B: 98.6
-    # GiB); without remat the one-pass form is the quicker (1B: 0.081 s; recomputed 0.086 s; one pass with
-    # the stacked sum 0.087 s). The loss weights are data: no gradient flows to them.
+    # Why two forms: with remat, either carried sum (the one-pass form's, or a recomputed one's) makes XLA
+    # keep every layer's gradient to the optimizer's update, the stacked sum not; without remat the one-pass
+    # form is the quicker (docs/design/jax_speed.md). The loss weights are data: no gradient flows to them.
     batch, seq, width = hidden.shape
     count = -(-seq // 1024)
     chunk = -(-seq // count)

@@ -90,8 +90,8 @@ def attention_fast(q, k, v, mask):
     if mask is None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        # cuDNN's kernel first where it runs: on Hopper it takes 0.55x the time of FlashAttention-2's,
-        # which SDPA would choose (benchmarks/NOTES.md).
+        # cuDNN's kernel first where it runs: on Hopper it is quicker than FlashAttention-2's, which SDPA
+        # would choose (docs/design/kernels.md).
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                           SDPBackend.MATH], set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -155,8 +155,8 @@ def cross_entropy(hidden, head, targets, weights):
 def cross_entropy_in_one_op(hidden, head, targets, weights, rows=1024):
     # The head's product and the loss in one of Linnet's ops (csrc/linear_cross_entropy.cpp), `rows` at a
     # time: the logits are never whole, and the backward keeps the gradients the forward made, not the logits.
-    # Not in FAST: on an H100 the 1B's step took 1.5% longer with it, for 0.24 GiB less at its peak
-    # (benchmarks/NOTES.md, twentieth session); benchmarks/step.py --loss op measures it.
+    # Not in FAST: it makes the step slower for a little less memory at its peak (docs/design/kernels.md);
+    # benchmarks/step.py --loss op measures it.
     return torch.ops.linnet.linear_cross_entropy(hidden.flatten(0, 1), head, targets.flatten(), weights.flatten(),
                                                  rows)
 

@@ -16,9 +16,8 @@ import numpy as np
 # iteration's compute; double buffering unrolls the loop by two so that the moved collectives have their
 # own buffers. No combine thresholds: a layer's weights are already one flat buffer, one collective.
 # Conditionals in command buffers (CUDA graphs' conditional nodes): the fast attention's `lax.switch` on the
-# rows' document count, one a layer each way, otherwise has the host read its branch index, a stall of
-# ~0.4 ms each (1B: 13 ms of an 87 ms step; benchmarks/NOTES.md, tenth session). The rest of the list is
-# XLA's default kinds, which naming the list replaces.
+# rows' document count, one a layer each way, otherwise has the host read its branch index, a stall each
+# time (docs/design/jax_speed.md). The rest of the list is XLA's default kinds, which naming the list replaces.
 GPU_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_pipelined_all_gather": True,

@@ -3,12 +3,12 @@
 Under autograd, each call of a higher-order op that cannot train with its inputs mutated asks the op for
 its schema (torch/_ops.py, `maybe_run_autograd`), and `invoke_subgraph` finds it by tracing its subgraph
 again. A layer compiled once (`@torch.compiler.nested_compile_region`) is one subgraph called for every
-layer, so AOT autograd traced the same layer once a layer, in each of its two passes (the metadata and the
-joint graph): at 8B on one H200 most of the first step's compile (benchmarks/NOTES.md, seventeenth
-session). While `schemas_once()` holds on a thread, a call there whose subgraph identifier and operands
-(their kind, shape, strides, dtype, device, and whether they require grad) were met before gets the schema
-found then; the first still traces, so a layer that mutates its inputs is still refused. Elsewhere, and on
-other threads, the op finds its schema as it always does."""
+layer, so AOT autograd would trace the same layer once a layer, in each of its two passes (the metadata and
+the joint graph): at 8B, most of the first step's compile (docs/design/compile_time.md). While
+`schemas_once()` holds on a thread, a call there whose subgraph identifier and operands (their kind, shape,
+strides, dtype, device, and whether they require grad) were met before gets the schema found then; the
+first still traces, so a layer that mutates its inputs is still refused. Elsewhere, and on other threads,
+the op finds its schema as it always does."""
 
 from __future__ import annotations
 
