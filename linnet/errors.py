@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-__all__ = ["ArgumentParser", "UserError", "at_least", "exit_on_user_error", "first_process"]
+__all__ = ["NotFinite", "ArgumentParser", "UserError", "at_least", "exit_on_user_error", "first_process"]
 
 EXIT_STATUS = 2  # as argparse's usage errors
 FIRST_SPEAKS_WITHIN = 15.0  # seconds another rank waits for the first to report the same mistake
@@ -37,6 +37,12 @@ FIRST_SPEAKS_WITHIN = 15.0  # seconds another rank waits for the first to report
 class UserError(ValueError):
     """A mistake in what the user gave, whose message says what, where and what to do. A ValueError, so
     that code catching ValueError for bad input catches it too."""
+
+
+class NotFinite(UserError):
+    """A training step whose loss, or whose weights or optimizer state after its update, are inf or nan (a
+    learning rate too large, data that overflows, a diverging run): training stops at that step on every
+    rank and saves nothing that holds it, so a checkpoint folder keeps resuming from the last good step."""
 
 
 def first_process() -> bool:

@@ -1,6 +1,6 @@
 """What a training run reports, whatever the framework: a `Step` for each
-optimizer step, the `History` of them, and the progress line the first rank
-prints when nobody asked for `on_step`."""
+optimizer step, the `History` of them, the progress line the first rank
+prints when nobody asked for `on_step`, and the stop at a loss that is not finite."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["History", "Progress", "Step"]
+from linnet.errors import NotFinite
+
+__all__ = ["History", "Progress", "Step", "stop_unless_finite"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +56,19 @@ class Progress:
         left = recent * (self.steps - step.step)
         print(f"step {step.step}/{self.steps}  loss {step.loss:.4f}  {step.tokens / recent:,.0f} tokens/s  "
               f"{left / 60:.1f} min left", file=sys.stderr, flush=True)
+
+
+def stop_unless_finite(step: Step, checkpointer, resumed_from: int) -> None:
+    """Raises NotFinite where `step`'s loss (the global mean: every rank sees the same) is inf or nan, naming
+    the step and where the run can resume from: `checkpointer` (either wing's, or None) has `folder` and
+    `saved_step`, the step of the last checkpoint this run saved."""
+    if math.isfinite(step.loss):
+        return
+    if checkpointer is None:
+        resume = "no checkpoint= was given, so the run cannot resume"
+    else:
+        saved = max(resumed_from, checkpointer.saved_step or 0)
+        resume = (f"{checkpointer.folder} resumes from step {saved}" if saved
+                  else f"{checkpointer.folder} holds no checkpoint of this run")
+    raise NotFinite(f"step {step.step}: the loss is {step.loss}: training stops here and saves nothing of this "
+                    f"step; {resume}. Lower the learning rate, clip the gradients or check the data")

@@ -25,6 +25,7 @@ import torch
 
 from linnet.cards import Card
 from linnet.checkpoint.storage import fsync_dir, write_synced
+from linnet.errors import NotFinite
 from linnet.hf.read import INDEX, SAVE_KEY
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # by the cards' names
@@ -97,7 +98,7 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
     The files are written in a temporary folder beside `folder` and moved into it when all are
     complete (`_move_into`), replacing the weight files (model*.safetensors, the index) of an earlier
     save there; other files in `folder` stay. If anything fails before that, nothing is left behind
-    and the error, a RuntimeError, names `folder`."""
+    and the error, a RuntimeError, names `folder`; a tensor holding inf or nan fails it so (NotFinite)."""
     check_dtype(dtype)
     folder = Path(folder)
     itemsize = dtype.itemsize
@@ -123,6 +124,8 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
         config = {**computed_config(card), "torch_dtype": _DTYPE_NAMES[dtype]}
         write_synced(partial / "config.json", json.dumps(config, indent=2) + "\n")
         _move_into(folder, partial)
+    except NotFinite as error:
+        raise NotFinite(f"no weights are written to {folder} (it keeps what it held): {error}") from error
     except Exception as error:
         raise RuntimeError(f"writing the weights to {folder} failed: {type(error).__name__}: {error}") from error
     finally:
@@ -151,6 +154,8 @@ def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterato
                 raise ValueError(f"expected {expected} of shape {tuple(shape)} next, "
                                  f"got {name} of shape {tuple(tensor.shape)}")
             data = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+            if data.is_floating_point() and not torch.isfinite(data).all():
+                raise NotFinite(f"{name} holds inf or nan in {_DTYPE_NAMES[dtype]}")
             f.write(data.reshape(-1).view(torch.uint8).numpy().data)
             del tensor, data  # before the next arrives: a gathered group's buffer goes with its last view
         f.flush()

@@ -41,6 +41,7 @@ from linnet.checkpoint import lock as folder_lock
 from linnet.checkpoint import resume_check
 from linnet.jax.shard import from_host, to_host
 from linnet.checkpoint.storage import storage_errors
+from linnet.errors import NotFinite
 
 FRAMEWORK = "jax"
 NPY_HEADER = 128  # bytes before an .npy file's data
@@ -48,6 +49,25 @@ NPY_HEADER = 128  # bytes before an .npy file's data
 
 def _named_leaves(prefix: str, tree) -> dict[str, jax.Array]:
     return {prefix + jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_finite(step: int, parts, opt_state) -> None:
+    """Raises NotFinite where a part or a floating array of the optimizer state holds inf or nan, naming how many
+    and the first. The flags are computed where the arrays lie, one scalar each, the same on every process."""
+    named = [(name, leaf) for name, leaf in {**_named_leaves("parts", parts), **_named_leaves("optimizer", opt_state)}.items()
+             if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    if not named:
+        return
+    flags = _all_finite([leaf for _, leaf in named])
+    bad = [name for (name, _), flag in zip(named, flags) if not bool(flag.addressable_data(0))]
+    if bad:
+        raise NotFinite(f"step {step} is not saved: after its update {len(bad)} of the {len(named)} arrays of parts "
+                        f"and optimizer state hold inf or nan (the first: {bad[0]})")
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.all(jnp.isfinite(leaf)) for leaf in leaves]
 
 
 def _saved_leaves(prefix: str, tree):
@@ -83,6 +103,7 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
         self.optimizer_settings, self.devices = optimizer_settings, devices
         self.hyperparameters: dict[str, float] | None = None  # this run's injected ones, before a resume
         self.manifest: dict | None = None
+        self.saved_step: int | None = None  # the step of the last checkpoint this run saved
         self.known: dict[str, str | None] = {}  # what was found of the folder's checkpoints
         self.writer = writer  # False: a process that resumes from the folder but leaves it to the first to write
         self.lock = folder_lock.take(self.folder) if writer else None
@@ -94,8 +115,12 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
 
     def save(self, step: int, parts, opt_state, *, rows_consumed: int, devices: int) -> Path | None:
         """Writes a checkpoint (the writer; None elsewhere), each array fetched from this process's devices,
-        which hold every part whole (linnet.jax.train keeps a replica inside a process)."""
-        if not self.writer:
+        which hold every part whole (linnet.jax.train keeps a replica inside a process). Every process calls
+        it: a state that is not finite is refused on each (NotFinite) before the folder is touched, so no
+        checkpoint is pruned for it."""
+        _check_finite(step, parts, opt_state)
+        if not self.writer:  # the writer's failure reaches every process (linnet.jax.train agrees on the save)
+            self.saved_step = step
             return None
         partial = checkpoint_folder.partial_path(self.folder, step)
         checkpoint_folder.make_room(self.folder, _bytes_needed(parts, opt_state), self.known)
@@ -118,10 +143,12 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
                         "arrays": arrays, "model": self.description, "steps": self.steps,
                         "row_length": self.row_length, "optimizer_settings": self.optimizer_settings,
                         "hyperparameters": self._asked_hyperparameters(opt_state)}
-            return checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep, known=self.known)
+            saved = checkpoint_folder.commit(self.folder, partial, manifest, files, keep=self.keep, known=self.known)
         except Exception:  # what the save wrote takes no room
             checkpoint_folder.discard(partial)
             raise
+        self.saved_step = step
+        return saved
 
     def _asked_hyperparameters(self, opt_state) -> dict[str, float]:
         """The injected settings this run asked for: as they were before any step (a schedule's first value)."""

@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from linnet.checkpoint import resume_check
 from linnet.emit import prims_jax
-from linnet.history import History, Progress, Step
+from linnet.history import History, Progress, Step, stop_unless_finite
 from linnet.jax import shard
 from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
 from linnet.jax.model import JAX_DTYPES, JaxModel
@@ -91,7 +91,11 @@ def train(
         moments and LAMB's trust ratio are per array, so those run the layers as a loop).
     checkpoint: a folder to resume from, and to save into every `checkpoint_every` steps (if given) and after
         the last. The run holds it until it returns (another run pointed at it stops at once, naming this one),
-        and checks before its first step that it can write a checkpoint there."""
+        and checks before its first step that it can write a checkpoint there.
+
+    A step whose loss is not finite stops the run on every process (NotFinite, naming the step), and so does a
+    checkpoint whose parts or optimizer state are not: nothing of that step is saved, so `checkpoint` resumes
+    from the last good step."""
     _check(model, mesh)
     rows_a_step = mesh.size * model.generics["Batch"]
     layouts = shard.group_layouts(model.checked, shard.shards(mesh))
@@ -169,6 +173,7 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state))
             history.steps.append(record)
             report(record)
+            stop_unless_finite(record, checkpointer, history.resumed_from)
             if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
                 _on_every_process(f"saving a checkpoint into {checkpointer.folder}", lambda: checkpointer.save(
                     step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size))

@@ -29,14 +29,14 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from linnet.errors import UserError
+from linnet.errors import NotFinite, UserError
 
 T = TypeVar("T")
 
 # group name -> (the group, the Gloo group of its ranks). Names come again after destroy_process_group
 # and a new init: a group made for an earlier group of that name is not this one's.
 _CPU_GROUPS: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-_KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, UserError)}  # raised again by name
+_KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, UserError, NotFinite)}  # raised again by name
 
 
 def _world() -> int:
@@ -78,8 +78,11 @@ def _describe(messages: list[str | None]) -> str:
 
 
 def _kind(error: Exception) -> str:
-    """The name the other ranks know `error` by: UserError for any user error (a FolderInUse, a CardError:
-    linnet.errors.UserError), so that it stays one on every rank; otherwise its own."""
+    """The name the other ranks know `error` by: its own where they know that kind (a NotFinite), UserError for
+    any other user error (a FolderInUse, a CardError: linnet.errors.UserError), so that it stays one on every
+    rank; otherwise its own."""
+    if type(error).__name__ in _KINDS:
+        return type(error).__name__
     return UserError.__name__ if isinstance(error, UserError) else type(error).__name__
 
 
@@ -94,7 +97,7 @@ def together(action: Callable[[], T], what: str, group: dist.ProcessGroup | str 
     if error is not None:
         raise error
     if any(problems):
-        users = all(problem[0] == UserError.__name__ for problem in problems if problem)
+        users = all(issubclass(_KINDS.get(problem[0], Exception), UserError) for problem in problems if problem)
         message = f"could not {what}: {_describe([problem and problem[1] for problem in problems])}"
         raise UserError(message) if users else RuntimeError(message)
     return result

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from linnet.checkpoint import folder as checkpoint_folder
 from linnet.checkpoint import lock as folder_lock
 from linnet.checkpoint import resume_check
-from linnet.torch.agree import first_rank_does, together
+from linnet.errors import NotFinite
+from linnet.torch.agree import agree_on_check, first_rank_does, together
 from linnet.checkpoint.storage import storage_errors
 
 
@@ -85,6 +86,7 @@ class Checkpointer(folder_lock.HoldsFolder):
                       for group in optimizer.param_groups]
         self.fresh_schedule = copy.deepcopy(schedule.state_dict()) if schedule is not None else None
         self.manifest: dict | None = None
+        self.saved_step: int | None = None  # the step of the last checkpoint this run saved
         self.known: dict[str, str | None] = {}  # the first rank's findings on the folder's checkpoints
         self.lock = first_rank_does(lambda: folder_lock.take(self.folder), f"take checkpoint folder {self.folder}")
 
@@ -104,7 +106,10 @@ class Checkpointer(folder_lock.HoldsFolder):
     # Saving.
 
     def save(self, step: int, rows_consumed: int) -> Path:
+        """Saves step `step` (every rank calls it). Refuses, on every rank and before the folder is touched (no
+        checkpoint is pruned for it), a state that is not finite: NotFinite."""
         rank, world = _world()
+        agree_on_check(lambda: _check_finite(self.params, self.optimizer, step), f"step {step} is not saved")
         part, parts, writes = _parts_of(self.model)
         needed = self.bytes_needed()
         partial = checkpoint_folder.partial_path(self.folder, step)
@@ -144,6 +149,7 @@ class Checkpointer(folder_lock.HoldsFolder):
             if rank == 0:
                 checkpoint_folder.discard(partial)
             raise
+        self.saved_step = step
         return self.folder / checkpoint_folder.step_name(step)
 
     def _begin(self, partial: Path, needed: int) -> None:
@@ -418,6 +424,22 @@ def _layout_differences(saved: list[dict], mine: list[dict], checked) -> list[st
 
 OPTIMIZER_MOMENTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
                      "SGD": 1, "RMSprop": 1, "Adagrad": 1}
+
+
+def _check_finite(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Raises NotFinite where a part or a tensor of its optimizer state holds inf or nan, naming how many and the
+    first; one synchronisation with the device."""
+    named = [(f"part {index}", part) for index, part in enumerate(params)]
+    named += [(f"part {index}'s {key}", value) for index, part in enumerate(params)
+              for key, value in optimizer.state.get(part, {}).items()
+              if isinstance(value, torch.Tensor) and value.is_floating_point()]
+    if not named:
+        return
+    finite = torch.stack([torch.isfinite(tensor).all() for _, tensor in named]).cpu().tolist()
+    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    if bad:
+        raise NotFinite(f"after step {step}'s update {len(bad)} of this rank's {len(named)} tensors of weights and "
+                        f"optimizer state hold inf or nan (the first: {bad[0]})")
 
 
 def _tensor_bytes(tensors) -> int:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from linnet.torch import watchdog
 from linnet.torch.agree import cpu_group, raise_together
-from linnet.history import History, Progress, Step
+from linnet.history import History, Progress, Step, stop_unless_finite
 from linnet.data.packing import Example, Row, pack, stack_rows
 from linnet.torch.step_in_backward import stepping_in_backward, supported
 from linnet.torch.hybrid import backward_and_step
@@ -188,7 +188,11 @@ def train(
     that no step holds every gradient at once (with replicas, until the backward's waits across them;
     linnet/torch/step_in_backward.py), as `fused=True` steps: None (the default) where the model is
     sharded and the optimizer allows it (Adam or AdamW without amsgrad, maximize, differentiable, step
-    hooks or gradient hooks on a part), True requires it, False steps after the backward."""
+    hooks or gradient hooks on a part), True requires it, False steps after the backward.
+
+    A step whose loss is not finite stops the run on every rank (NotFinite, naming the step), and so does a
+    checkpoint whose weights or optimizer state are not: nothing of that step is saved, so `checkpoint`
+    resumes from the last good step."""
     from linnet.torch.checkpoint import Checkpointer
 
     _check_model(model)
@@ -241,6 +245,7 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
             history.steps.append(launched.record(clock))
             report(history.steps[-1])
             launched = None
+            stop_unless_finite(history.steps[-1], checkpointer, history.resumed_from)
 
     for step in range(history.resumed_from + 1, steps + 1):
         row = next(rows, None)
