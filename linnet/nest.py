@@ -70,13 +70,16 @@ def load(
             if compile not in (None, "inductor"):
                 raise ValueError(f'compile must be None or "inductor", got {compile!r}')
             model = TorchModel(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype,
-                               trainable=trainable, compile=compile, device=torch.device(device or "cpu"), entries=entries)
+                               trainable=trainable, compile=compile, device=torch.device(device or "cpu"),
+                               entries=entries)
         case "jax_source":
             from linnet.jax.model import JaxModel
 
             if compile is not None or trainable or device is not None:
-                raise ValueError("backend='jax_source' is compiled by jax.jit and placed by JAX: compile=, trainable= and device= are PyTorch's")
-            model = JaxModel(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
+                raise ValueError("backend='jax_source' is compiled by jax.jit and placed by JAX: compile=, "
+                                 "trainable= and device= are PyTorch's")
+            model = JaxModel(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype,
+                             entries=entries)
         case _:
             raise ValueError(f'backend must be "torch" or "jax_source", got {backend!r}')
     if random:
@@ -97,4 +100,5 @@ def tokenizer(card: str | Card):
     except OSError as error:
         reason = str(error).split("\n")[0]
         raise UserError(f"no tokenizer for {card.name} from {card.weights.repo} ({reason}): download it first "
-                        f"(`huggingface-cli download {card.weights.repo}`, logged in where the repo is gated)") from None
+                        f"(`huggingface-cli download {card.weights.repo}`, logged in where the repo is gated)"
+                        ) from None

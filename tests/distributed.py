@@ -40,7 +40,8 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     processes = [
-        context.Process(target=_worker, args=(fn, rank, world, store.port, timeout, args, results, backend), daemon=True)
+        context.Process(target=_worker, args=(fn, rank, world, store.port, timeout, args, results, backend),
+                        daemon=True)
         for rank in range(world)
     ]
     for process in processes:

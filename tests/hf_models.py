@@ -64,7 +64,8 @@ def save_hf_model(folder: Path, model_type: str, seed: int = 0, rope_scaling: di
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_class(
         **{k: v for k, v in config.items() if v is not None or k in declared}, rope_scaling=rope_scaling))
-    with torch.no_grad():  # norms are ones and biases zeros at init; perturb them so that a swapped or lost one would show
+    # norms are ones and biases zeros at init; perturb them so that a swapped or lost one would show
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn_like(param))
@@ -81,7 +82,8 @@ def write_model_card(folder: Path, model_type: str, config: dict, rope_scaling: 
     from linnet.cards.huggingface import FAMILIES
 
     name = name or f"test-{model_type}"
-    lines = [f'name = "{name}"', f'family = "{FAMILIES[model_type]}"', "", "[weights]", f"repo = {json.dumps(repo)}", "",
+    lines = [f'name = "{name}"', f'family = "{FAMILIES[model_type]}"', "",
+             "[weights]", f"repo = {json.dumps(repo)}", "",
              "[config]", f'model_type = "{model_type}"',
              f'architectures = ["{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}"]']
     lines += [f"{key} = {json.dumps(value)}" for key, value in config.items() if value is not None]

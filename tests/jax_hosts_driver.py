@@ -3,6 +3,7 @@ address, 2 host devices each): joins the others from the environment, trains the
 default mesh with its own rows, and the first process writes the losses and the held-out loss to OUT (where
 training fails, each process writes its error to OUT.error-INDEX)."""
 
+import importlib
 import json
 import sys
 
@@ -11,11 +12,9 @@ from linnet.jax import hosts
 hosts.join()  # before anything touches a device
 
 from test_jax_train import adamw, load, rows  # noqa: E402  (after joining)
-
-import linnet.jax.train  # noqa: E402
-jax_train = sys.modules["linnet.jax.train"]  # the module: linnet.jax.train is also the function
-
 import jax  # noqa: E402
+
+jax_train = importlib.import_module("linnet.jax.train")  # the module: linnet.jax.train is also the function
 
 card, steps, checkpoint, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 run_rows = int(sys.argv[5]) if len(sys.argv) > 5 else 4 * 4  # the whole run's, dealt to the processes

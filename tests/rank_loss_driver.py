@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --kill-rank 1 --at 3
     torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --bad-shape-rank 1 --at 2
     torchrun --nproc_per_node=2 tests/rank_loss_driver.py OUT --stop-rank 1 --at 3
-    torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d ... tests/rank_loss_driver.py OUT [--kill-this-machine] --at 3
+    torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d ... \\
+        tests/rank_loss_driver.py OUT [--kill-this-machine] --at 3
 
 Trains the tiny card sharded over Gloo, in linnet's `train` (--kill-rank: that
 rank SIGKILLs itself after step --at; --stop-rank: SIGSTOPs itself; --kill-this-machine: given to one
@@ -44,7 +45,8 @@ args.out.mkdir(parents=True, exist_ok=True)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 rng = np.random.default_rng(0)
-examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 20)).tolist(), rng.integers(6, 512, rng.integers(2, 12)).tolist())
+examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 20)).tolist(),
+                             rng.integers(6, 512, rng.integers(2, 12)).tolist())
             for _ in range(200)]
 rows = list(pack(examples, ROW))[rank::world]
 model = fully_shard(nest.load("tiny-llama", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},

@@ -35,7 +35,8 @@ def test_the_shared_start_loads_alike_in_linnet_and_transformers(start):
 
     row = load_rows(start / "held_out.npz")[0]
     tokens = torch.from_numpy(row.tokens)[None]
-    linnet = nest.load("tiny-llama", entry="logits", generics={"Batch": 1, "MaxSeq": 128, "T": "f32"}, weights=start / "init")
+    linnet = nest.load("tiny-llama", entry="logits", generics={"Batch": 1, "MaxSeq": 128, "T": "f32"},
+                       weights=start / "init")
     hf = LlamaForCausalLM.from_pretrained(start / "init", torch_dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(linnet(tokens), hf(input_ids=tokens.long()).logits, rtol=1e-4, atol=1e-4)
@@ -59,14 +60,15 @@ def test_the_table_and_plot_render_from_a_runs_files(tmp_path):
             "ceiling": dict(step_s=0.0759, tok_s=53960, peak_gib=23.4)}
     for key, result in runs.items():
         system = next(s for s in table.SYSTEMS if s.key == key)
-        (tmp_path / "1b" / f"{key}.json").write_text(json.dumps(dict(system=system.name, key=key, shape="1b", status=0,
-                                                                      saving=False, result=result, log=f"1b/{key}.log")))
-    (tmp_path / "1b" / "trl-fsdp2.json").write_text(json.dumps(dict(system="TRL, FSDP2", key="trl-fsdp2", shape="1b",
-                                                                    status=1, saving=True, result=None, log="1b/trl-fsdp2.log")))
+        (tmp_path / "1b" / f"{key}.json").write_text(json.dumps(dict(
+            system=system.name, key=key, shape="1b", status=0, saving=False, result=result, log=f"1b/{key}.log")))
+    (tmp_path / "1b" / "trl-fsdp2.json").write_text(json.dumps(dict(
+        system="TRL, FSDP2", key="trl-fsdp2", shape="1b", status=1, saving=True, result=None, log="1b/trl-fsdp2.log")))
     (tmp_path / "8b").mkdir()  # a shape measured the next day, whose one run did not fit
     (tmp_path / "8b" / "linnet-jax-no-remat.json").write_text(json.dumps(dict(
-        system="Linnet, JAX, --no-remat", key="linnet-jax-no-remat", shape="8b", date="2026-12-04", status=1, saving=False,
-        result=None, log="8b/linnet-jax-no-remat.log", error="RESOURCE_EXHAUSTED: Out of memory while trying to allocate")))
+        system="Linnet, JAX, --no-remat", key="linnet-jax-no-remat", shape="8b", date="2026-12-04", status=1,
+        saving=False, result=None, log="8b/linnet-jax-no-remat.log",
+        error="RESOURCE_EXHAUSTED: Out of memory while trying to allocate")))
     markdown, plot = table.render(tmp_path)
     lines = markdown.splitlines()
     assert lines[0] == ("Measured 2026-12-03 to 2026-12-04 on NVIDIA H200 (torch 2.11.0), 1 GPU, "

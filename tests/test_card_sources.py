@@ -21,13 +21,15 @@ GENERICS = {"Batch": 1, "MaxSeq": 12, "T": "f32"}
 
 
 def tokens(vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (1, GENERICS["MaxSeq"]), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    return torch.randint(0, vocab, (1, GENERICS["MaxSeq"]), generator=torch.Generator().manual_seed(3),
+                         dtype=torch.int32)
 
 
 def transformers_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()(ids.long()).logits
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()(ids.long()).logits
 
 
 def rewrite_rope(config: dict, spelling: str) -> dict:
@@ -56,7 +58,8 @@ def test_a_model_folder_is_a_card_in_any_spelling_of_its_rope(tmp_path, spelling
     assert (card.family, card.weights.repo) == ("llama", str(folder.resolve()))
     ids = tokens(card.config["vocab_size"])
     from_folder = nest.load(folder, generics=GENERICS, entry="logits")(ids)
-    torch.testing.assert_close(from_folder, nest.load(toml_card, generics=GENERICS, entry="logits")(ids), rtol=0, atol=0)
+    torch.testing.assert_close(from_folder, nest.load(toml_card, generics=GENERICS, entry="logits")(ids),
+                               rtol=0, atol=0)
     torch.testing.assert_close(from_folder, transformers_logits(folder, ids), rtol=2e-5, atol=2e-5)
 
 
@@ -76,13 +79,15 @@ def test_a_hub_id_in_the_local_cache_is_a_card(tmp_path, monkeypatch):
     ids = tokens(card.config["vocab_size"])
     torch.testing.assert_close(nest.load("tiny-org/tiny-llama", generics=GENERICS, entry="logits")(ids),
                                transformers_logits(tmp_path / "hf", ids), rtol=2e-5, atol=2e-5)
-    with pytest.raises(UnknownCard, match=r"'tiny-org/absent' is not in the local Hugging Face cache.*huggingface-cli download tiny-org/absent"):
+    with pytest.raises(UnknownCard, match=r"'tiny-org/absent' is not in the local Hugging Face cache"
+                                          r".*huggingface-cli download tiny-org/absent"):
         resolve("tiny-org/absent")
 
 
 def test_a_card_in_memory_builds_its_own_config_and_save_weights_describes_it(tmp_path):
     on_disk = resolve("tiny-llama")
-    card = dataclasses.replace(on_disk, config={**on_disk.config, "num_hidden_layers": 3}, path=tmp_path / "nowhere.toml")
+    card = dataclasses.replace(on_disk, config={**on_disk.config, "num_hidden_layers": 3},
+                               path=tmp_path / "nowhere.toml")
     assert resolve(card) is card
     layers = {spec.index for spec in weight_specs(card.checked()) if spec.index is not None}
     assert layers == {0, 1, 2} and on_disk.config["num_hidden_layers"] == 2
@@ -98,7 +103,8 @@ def test_a_card_in_memory_builds_its_own_config_and_save_weights_describes_it(tm
 
 def test_an_edited_card_is_read_again(tmp_path):
     path = tmp_path / "mine.toml"
-    text = (CARDS_DIR / "tiny-llama.toml").read_text().replace('repo = "tokenizers/tiny"', f'repo = "{CARDS_DIR / "tokenizers" / "tiny"}"')
+    text = (CARDS_DIR / "tiny-llama.toml").read_text().replace('repo = "tokenizers/tiny"',
+                                                               f'repo = "{CARDS_DIR / "tokenizers" / "tiny"}"')
     path.write_text(text)
     assert resolve(path).checked().repeat("Layer") == 2
     path.write_text(text.replace("num_hidden_layers = 2", "num_hidden_layers = 4"))
@@ -129,23 +135,26 @@ def test_a_folder_that_is_not_a_model_says_why(tmp_path, config, message):
 
 
 def test_an_unknown_name_lists_every_kind_of_card():
-    with pytest.raises(UnknownCard, match=r"unknown card 'tiny-lama' \(did you mean 'tiny-llama'\?\): give a shipped card's name .* "
+    with pytest.raises(UnknownCard, match=r"unknown card 'tiny-lama' \(did you mean 'tiny-llama'\?\): "
+                                          r"give a shipped card's name .* "
                                           r"a Hugging Face model folder, or a hub id in the local Hugging Face cache"):
         resolve("tiny-lama")
 
 
 def test_a_llama_folder_without_head_dim_takes_hidden_size_over_heads(tmp_path):
-    """Llama 3.1's published config.json has no head_dim: transformers takes hidden_size / heads, and so does the card."""
+    """Llama 3.1's published config.json has no head_dim: transformers takes hidden_size / heads, and so does the
+    card."""
     save_hf_llama(tmp_path)
     folder = tmp_path / "hf"
     config = json.loads((folder / "config.json").read_text())
     assert config.pop("head_dim") == config["hidden_size"] // config["num_attention_heads"]
     (folder / "config.json").write_text(json.dumps(config))
     ids = tokens(config["vocab_size"])
-    torch.testing.assert_close(nest.load(folder, generics=GENERICS, entry="logits")(ids), transformers_logits(folder, ids),
-                               rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(nest.load(folder, generics=GENERICS, entry="logits")(ids),
+                               transformers_logits(folder, ids), rtol=2e-5, atol=2e-5)
     written = nest.load(folder, generics=GENERICS, entry="logits").save_weights(tmp_path / "out", dtype=torch.float32)
-    assert json.loads((written / "config.json").read_text())["head_dim"] == config["hidden_size"] // config["num_attention_heads"]
+    head_dim = json.loads((written / "config.json").read_text())["head_dim"]
+    assert head_dim == config["hidden_size"] // config["num_attention_heads"]
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "mistral"])
@@ -156,5 +165,5 @@ def test_a_folder_of_each_family_is_a_card(tmp_path, model_type):
     save_hf_model(tmp_path, model_type, **family_config(model_type, False))
     folder = tmp_path / "hf"
     ids = tokens(json.loads((folder / "config.json").read_text())["vocab_size"])
-    torch.testing.assert_close(nest.load(folder, generics=GENERICS, entry="logits")(ids), transformers_logits(folder, ids),
-                               rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(nest.load(folder, generics=GENERICS, entry="logits")(ids),
+                               transformers_logits(folder, ids), rtol=2e-5, atol=2e-5)

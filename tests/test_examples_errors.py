@@ -50,14 +50,17 @@ def test_rows_are_read_with_input_optional(tmp_path):
                 '{"instruction": "c", "input": null, "output": "d"}')
     rows = sft.read_rows(path)
     assert rows[0] == json.loads(LINES[0])
-    assert rows[1:] == [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "c", "input": "", "output": "d"}]
+    assert rows[1:] == [{"instruction": "a", "input": "", "output": "b"},
+                        {"instruction": "c", "input": "", "output": "d"}]
 
 
 @pytest.mark.parametrize("lines, expected", [
     ([], r"data.jsonl holds no rows: give one row a line"),
     (["\n", "  \n"], r"data.jsonl holds no rows"),
-    ([LINES[0], '{"instruction": "x", "input": ""\n'], r"data.jsonl:2: not valid JSON \(Expecting ',' delimiter, column 33\)"),
-    ([LINES[0], b'{"instruction": "caf\xe9", "output": "x"}\n'], r"data.jsonl:2: not UTF-8 text \(byte 0xe9 at column 21\)"),
+    ([LINES[0], '{"instruction": "x", "input": ""\n'],
+     r"data.jsonl:2: not valid JSON \(Expecting ',' delimiter, column 33\)"),
+    ([LINES[0], b'{"instruction": "caf\xe9", "output": "x"}\n'],
+     r"data.jsonl:2: not UTF-8 text \(byte 0xe9 at column 21\)"),
     ([LINES[0], LINES[1], '{"instruction": "x", "input": ""}\n'], r"data.jsonl:3: the row has no 'output'"),
     (['{"input": "x"}\n'], r"data.jsonl:1: the row has no 'instruction' and no 'output'"),
     (['{"instruction": "x", "output": 5}\n'], r"data.jsonl:1: 'output' is 5, not a string"),
@@ -168,7 +171,8 @@ def test_an_unknown_card_suggests_the_closest():
     with pytest.raises(KeyError) as raised:  # a KeyError, as it always was
         cards.resolve("tiny-lama")
     assert isinstance(raised.value, UserError)
-    assert str(raised.value).startswith("unknown card 'tiny-lama' (did you mean 'tiny-llama'?): give a shipped card's name (")
+    assert str(raised.value).startswith("unknown card 'tiny-lama' (did you mean 'tiny-llama'?): "
+                                        "give a shipped card's name (")
     assert "did you mean" not in str(pytest.raises(KeyError, cards.resolve, "gpt-5").value)
 
 
@@ -198,7 +202,8 @@ def test_option_mistakes_are_user_errors():
     parser.add_argument("--steps", type=at_least(1), default=30)
     assert parser.parse_args(["--steps", "2"]).steps == 2
     for given, expected in ((["--steps", "0"], "argument --steps: must be at least 1, got 0 (see sft.py --help)"),
-                            (["--steps", "x"], "argument --steps: expected a whole number, got 'x' (see sft.py --help)"),
+                            (["--steps", "x"],
+                             "argument --steps: expected a whole number, got 'x' (see sft.py --help)"),
                             (["--stpes", "2"], "unrecognized arguments: --stpes 2 (see sft.py --help)")):
         with pytest.raises(UserError) as raised:
             parser.parse_args(given)
@@ -206,8 +211,8 @@ def test_option_mistakes_are_user_errors():
 
 
 def run_python(code: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          check=False, env={**os.environ, **(env or {})})
 
 
 RAISE = "from linnet.errors import UserError, exit_on_user_error\nexit_on_user_error()\nraise {}('bad --steps')\n"

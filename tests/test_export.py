@@ -126,7 +126,8 @@ def test_weights_of_two_saves_mixed_by_a_save_cut_short_are_refused_by_name(tmp_
         again.save_weights(folder, dtype=torch.float32, max_shard_size="200KB")
     with pytest.raises(ValueError, match=f"the weights in {re.escape(str(folder))} come from more than one save "
                                          r"\(linnet_save model-00001-of-000\d\d.safetensors: [0-9a-f]{32}, .*a "
-                                         r"save_weights was cut short as it moved its files in. Save the weights again"):
+                                         r"save_weights was cut short as it moved its files in. "
+                                         r"Save the weights again"):
         nest.load("tiny-llama", generics=GENERICS, weights=folder)
 
 
@@ -170,7 +171,8 @@ def test_a_failed_write_leaves_nothing_and_names_the_folder(tmp_path, tensors, m
 def test_a_save_under_a_file_leaves_nothing_and_names_the_folder(tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     target = tmp_path / "a-file" / "out"
-    with pytest.raises(RuntimeError, match=f"writing the weights to {re.escape(str(target))} failed: NotADirectoryError"):
+    with pytest.raises(RuntimeError,
+                       match=f"writing the weights to {re.escape(str(target))} failed: NotADirectoryError"):
         load().save_weights(target)
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 

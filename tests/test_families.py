@@ -6,9 +6,9 @@ FAMILIES; the shipped cards of every family are checked against transformers' mo
 
 from __future__ import annotations
 
+import importlib
 from math import prod
 
-import sys
 import numpy as np
 import pytest
 import torch
@@ -20,7 +20,8 @@ from linnet.hf.read import weight_specs
 
 # model_type -> the config numbers that differ from hf_models.BASE (vocabulary 211, hidden size 80, 4 heads of 20).
 FAMILIES = {
-    "qwen3": dict(head_dim=24, tie_word_embeddings=True),  # heads wider together (4 x 24) than the hidden size, as Qwen3's
+    # heads wider together (4 x 24) than the hidden size, as Qwen3's
+    "qwen3": dict(head_dim=24, tie_word_embeddings=True),
     "qwen2": dict(head_dim=None),  # head_dim left out, as Qwen2.5 publishes it: hidden_size / heads
     "mistral": dict(num_key_value_heads=2, sliding_window=None),  # Mistral 7B v0.3: no window
 }
@@ -134,7 +135,8 @@ def test_packed_row_equals_transformers_on_each_document(case, backend, numerics
 
 @pytest.fixture(scope="module")
 def random_cards(tmp_path_factory) -> list:
-    """A card of each family with no weights: they are drawn (tests/test_fully_shard.py's and test_jax_train.py's loads)."""
+    """A card of each family with no weights: they are drawn (tests/test_fully_shard.py's and test_jax_train.py's
+    loads)."""
     folder = tmp_path_factory.mktemp("random")
     return [write_model_card(folder, model_type, {**BASE, **family_config(model_type)}, None,
                              repo="no-weights: random ones are drawn") for model_type in FAMILIES]
@@ -172,8 +174,7 @@ def test_sharded_training_equals_single_process(random_cards, world):
 def test_jax_equals_pytorch_training_from_the_same_card(random_cards, model_type, tmp_path):
     from test_jax_train import EPS, LR, STEPS, adamw, load, mesh, rows
 
-    import linnet.jax.train
-    jax_train = sys.modules["linnet.jax.train"]  # the module: linnet.jax.train is also the function
+    jax_train = importlib.import_module("linnet.jax.train")  # the module: linnet.jax.train is also the function
     from linnet.torch.train import train as torch_train
 
     card = random_cards[list(FAMILIES).index(model_type)]
@@ -235,7 +236,8 @@ def test_a_shipped_card_has_transformers_weights_for_its_config(name):
     assert {s.checkpoint_name: s.shape for s in specs} == hf_shapes
     count = sum(prod(s.shape) for s in specs)
     if not name.startswith("mistral"):
-        count -= sum(prod(s.shape) for s in specs if s.checkpoint_name in ("model.embed_tokens.weight", "lm_head.weight"))
+        count -= sum(prod(s.shape) for s in specs
+                     if s.checkpoint_name in ("model.embed_tokens.weight", "lm_head.weight"))
     if name in PUBLISHED_BILLIONS:
         published = PUBLISHED_BILLIONS[name]
         assert f"{count / 1e9:.{len(published.split('.')[1])}f}" == published

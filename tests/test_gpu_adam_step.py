@@ -41,7 +41,8 @@ def stepped_by_torch(param, gradients, kind, weight_decay):
 
 # 4099: a tail past the last whole vector; (1 << 20) + 3: many blocks; one element into a buffer: no vectors
 @pytest.mark.parametrize("numel, offset", [(4099, 0), ((1 << 20) + 3, 0), (4096, 1)])
-@pytest.mark.parametrize("kind, weight_decay", [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.0)])
+@pytest.mark.parametrize("kind, weight_decay",
+                         [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.0)])
 def test_the_cuda_step_is_fused_adams(numel, offset, kind, weight_decay):
     generator = torch.Generator(device="cuda").manual_seed(0)
     param = torch.randn(numel, device="cuda", generator=generator)
@@ -105,7 +106,8 @@ def test_the_cast_the_step_writes_is_the_cast_of_the_stepped_part(numel, offset,
     cast made then.)"""
     generator = torch.Generator(device="cuda").manual_seed(4)
     param = placed(torch.randn(numel, device="cuda", generator=generator), offset)
-    exp_avg, exp_avg_sq = placed(torch.zeros(numel, device="cuda"), offset), placed(torch.zeros(numel, device="cuda"), offset)
+    exp_avg = placed(torch.zeros(numel, device="cuda"), offset)
+    exp_avg_sq = placed(torch.zeros(numel, device="cuda"), offset)
     gradient = placed(torch.randn(numel, device="cuda", generator=generator).bfloat16(), offset)
     step, lr = torch.zeros((), device="cuda"), torch.tensor(1e-2, dtype=torch.float64)
     plain = [t.clone() for t in (param, exp_avg, exp_avg_sq)]

@@ -42,7 +42,8 @@ def test_fused_attention_equals_exact_on_packed_rows(documents, branch, monkeypa
     packed layout of 8 and 16 segments, 40 the dense mask, and -5 five documents numbered backwards
     along the rows (not linnet.data.packing's order) the dense mask too."""
     (q, k, v), cotangent = qkv(abs(documents))
-    segments = jnp.asarray(segments_of(abs(documents), abs(documents))) if abs(documents) > 1 else jnp.zeros((BATCH, SEQ), jnp.int32)
+    segments = (jnp.asarray(segments_of(abs(documents), abs(documents))) if abs(documents) > 1
+                else jnp.zeros((BATCH, SEQ), jnp.int32))
     if documents < 0:
         segments = jnp.max(segments) - segments
     if documents == 0:
@@ -64,7 +65,8 @@ def test_fused_attention_equals_exact_on_packed_rows(documents, branch, monkeypa
         tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()) >= (0, 11, 2)
     branch = branch if hopper or branch is None else min(branch, 1)
     chosen, switch = [], jax.lax.switch
-    monkeypatch.setattr(jax.lax, "switch", lambda index, branches, *a: chosen.append(int(index)) or switch(index, branches, *a))
+    monkeypatch.setattr(jax.lax, "switch",
+                        lambda index, branches, *a: chosen.append(int(index)) or switch(index, branches, *a))
     prims_jax.attention_fast(*(x.astype(jnp.bfloat16) for x in (q, k, v)), fast_mask)
     monkeypatch.undo()  # under jit below, the index is traced: the real switch must take it
     assert chosen == ([] if branch is None else [branch])

@@ -37,7 +37,8 @@ START_TOLERANCE, STEP_TOLERANCE, END_TOLERANCE = 5e-4, 5e-3, 1e-3
 def result(command: list[str], log: Path) -> dict:
     """Run a benchmark script to the end and return its RESULT line."""
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900)
     log.write_text(done.stdout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"{' '.join(command)} failed (exit {done.returncode}); its output: {log}"
@@ -52,15 +53,16 @@ def test_linnet_and_fsdp2_loss_curves_agree(tmp_path):
     start, gpus = tmp_path / "start", torch.cuda.device_count()
     subprocess.run([sys.executable, "benchmarks/shared_start.py", "--card", "llama-3.2-1b", "--out", str(start),
                     "--rows", str(STEPS * gpus)], cwd=ROOT, check=True, timeout=900)
-    shared = ["--init", str(start / "init"), "--rows", str(start / "rows.npz"), "--held-out", str(start / "held_out.npz"),
-              "--steps", str(STEPS)]
+    shared = ["--init", str(start / "init"), "--rows", str(start / "rows.npz"),
+              "--held-out", str(start / "held_out.npz"), "--steps", str(STEPS)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}"]
     linnet = result([*torchrun, "benchmarks/step.py", "--card", "llama-3.2-1b", *shared], tmp_path / "linnet.log")
     fsdp2 = result([*torchrun, "benchmarks/peers/fsdp2_baseline.py", "--shape", "1b", *shared], tmp_path / "fsdp2.log")
 
     print(json.dumps({"linnet": {k: linnet[k] for k in ("loss_start", "loss_end", "losses")},
                       "fsdp2": {k: fsdp2[k] for k in ("loss_start", "loss_end", "losses")}}))
-    assert relative(linnet["loss_start"], fsdp2["loss_start"]) < START_TOLERANCE, (linnet["loss_start"], fsdp2["loss_start"])
+    assert relative(linnet["loss_start"], fsdp2["loss_start"]) < START_TOLERANCE, (
+        linnet["loss_start"], fsdp2["loss_start"])
     assert len(linnet["losses"]) == len(fsdp2["losses"]) == STEPS
     apart = [relative(a, b) for a, b in zip(linnet["losses"], fsdp2["losses"])]
     assert max(apart) < STEP_TOLERANCE, f"step {apart.index(max(apart))}: {linnet['losses']} against {fsdp2['losses']}"

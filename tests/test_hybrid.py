@@ -14,8 +14,8 @@ from distributed import run
 from test_checkpoint import HALF, halves, join, zero_weight
 from linnet import nest
 from linnet.torch.train import row_tensors
-from test_fully_shard import (EPS, LR, STEPS, card, load, mean_of_the_ranks_losses, reference,  # noqa: F401 (fixtures)
-                             relative_error, rows, untied)
+from test_fully_shard import card as card, untied as untied  # fixtures: "as" marks them used for pyflakes
+from test_fully_shard import EPS, LR, STEPS, load, mean_of_the_ranks_losses, reference, relative_error, rows
 
 
 def on_a_mesh(card, shape: tuple[int, int] = (2, 2), compile: str | None = None, **settings):
@@ -29,8 +29,8 @@ def on_a_mesh(card, shape: tuple[int, int] = (2, 2), compile: str | None = None,
     return fully_shard(load(card, compile=compile), mesh=mesh, **settings)
 
 
-def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str, prefetch: int,
-                    reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True):
+def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile: str | None, recompute: str,
+                    prefetch: int, reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True):
     from linnet.torch.shard import gathered_weights
     from linnet.torch.train import train
 
@@ -55,7 +55,8 @@ def hybrid_training(rank: int, world: int, card, shape: tuple[int, int], compile
 ])
 def test_a_2d_mesh_trains_as_single_process(card, shape, compile, recompute, prefetch):
     expected_losses, expected_weights = reference(card, 4)
-    for losses, weights in run(hybrid_training, 4, card, shape, compile, recompute, prefetch, timeout=900 if compile else 300):
+    for losses, weights in run(hybrid_training, 4, card, shape, compile, recompute, prefetch,
+                               timeout=900 if compile else 300):
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         for name, tensor in weights.items():
             assert relative_error(tensor, expected_weights[name].numpy()) < 1e-5, name
@@ -79,7 +80,8 @@ def test_a_looked_up_embedding_on_a_2d_mesh_trains_as_single_process(untied, sha
     the replicas too, instead of an all-reduce of its part (held, as the flat lookup's, to 5e-5: the
     table's and, through it, the layers' weights; v_proj's 1.7e-5 on an AMD EPYC)."""
     expected_losses, expected_weights = reference(untied, 4)
-    for losses, weights in run(hybrid_training, 4, untied, shape, compile, "gather", 1, timeout=900 if compile else 300):
+    for losses, weights in run(hybrid_training, 4, untied, shape, compile, "gather", 1,
+                               timeout=900 if compile else 300):
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         for name, tensor in weights.items():
             assert relative_error(tensor, expected_weights[name].numpy()) < 5e-5, name
@@ -106,7 +108,8 @@ def _hooked_adamw(params, **settings) -> torch.optim.AdamW:
     return optimizer
 
 
-def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_class, in_backward: bool | None = None) -> tuple:
+def steps_taken(rank: int, world: int, card, compile: str | None, optimizer_class,
+                in_backward: bool | None = None) -> tuple:
     """Train on 2 x 2: for each optimizer.step(), the names of the parts that had a gradient; and the losses."""
     from linnet.torch.train import train
 
@@ -224,7 +227,8 @@ def resume_on(rank: int, world: int, shape: tuple[int, int] | None, folder: str,
 
     model = nest.load("tiny-llama", numerics="exact", generics={"Batch": 1, "MaxSeq": 2 * HALF, "T": "f32"},
                       cast_dtype=True, trainable=True, weights="random", entry="loss_packed")
-    fully_shard(model, mesh=None if shape is None else init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
+    fully_shard(model, mesh=None if shape is None
+                else init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.0, eps=1e-6)
     history = train(model, iter(rows_across(world)[rank::world]), optimizer=optimizer, steps=steps,
                     on_step=lambda s: None, checkpoint=folder, checkpoint_every=save_every)
@@ -302,7 +306,8 @@ def bad_mesh(rank: int, world: int, card, shape: tuple[int, ...], names: tuple[s
 
 
 @pytest.mark.parametrize("shape, names, with_group, message", [
-    ((1, 2), ("shard", "replicate"), False, "a mesh of one dimension, or of two named ('replicate', 'shard'); got 2 dimensions named ('shard', 'replicate')"),
+    ((1, 2), ("shard", "replicate"), False,
+     "a mesh of one dimension, or of two named ('replicate', 'shard'); got 2 dimensions named ('shard', 'replicate')"),
     ((2, 1, 1), ("a", "replicate", "shard"), False, "got 3 dimensions"),
     ((2,), ("shard",), True, "fully_shard takes group= or mesh=, not both"),
 ])
@@ -322,7 +327,8 @@ def example(tmp_path, torchrun: list[str]) -> list[str]:
     script = ["examples/sft/sft_torch.py", "--card", "tiny-llama", "--data", "examples/sft/data/tasks.jsonl",
               "--tokens", "256", "--steps", "4", "--lr", "3e-3", "--held-out", "40"]
     launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, *script], cwd=root, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
                 for args in torchrun]
     outputs = [launch.communicate(timeout=600) for launch in launches]
     for launch, (_, stderr) in zip(launches, outputs):
@@ -341,7 +347,8 @@ def test_two_machines_on_the_loopback_pick_hybrid_sharding_and_train_as_one(tmp_
     one = example(tmp_path, [["--standalone", "--nproc_per_node=4"]])
     assert "each weight in 2 parts, one copy on each of 2 machines" in machines
     assert "each weight in 4 parts" in one
-    losses = [[float(line.split("loss ")[1].split(",")[0]) for line in lines if line.startswith("step ")] for lines in (machines, one)]
+    losses = [[float(line.split("loss ")[1].split(",")[0]) for line in lines if line.startswith("step ")]
+              for lines in (machines, one)]
     assert len(losses[0]) == 4
     np.testing.assert_allclose(losses[0], losses[1], atol=2e-3)  # printed to 3 decimals
 

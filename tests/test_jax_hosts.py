@@ -4,6 +4,7 @@ devices; the checkpoint they write resumes in one process."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -19,8 +20,7 @@ from jax.sharding import Mesh
 from test_jax_train import adamw, card as card, load, mesh, rows  # noqa: F401  (the card fixture)
 
 from linnet.jax import hosts
-import linnet.jax.train
-jax_train = sys.modules["linnet.jax.train"]  # the module: linnet.jax.train is also the function
+jax_train = importlib.import_module("linnet.jax.train")  # the module: linnet.jax.train is also the function
 
 HERE = Path(__file__).resolve().parent
 
@@ -98,7 +98,8 @@ def test_a_process_fetches_an_array_from_its_own_devices_blocks():
 
     two_axes = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("replicate", "shard"))
     for spec, shape in [(PartitionSpec("shard"), (8,)), (PartitionSpec(None, "shard"), (3, 8)), (PartitionSpec(), ())]:
-        array = jax.device_put(np.arange(np.prod(shape), dtype=np.float32).reshape(shape), NamedSharding(two_axes, spec))
+        array = jax.device_put(np.arange(np.prod(shape), dtype=np.float32).reshape(shape),
+                               NamedSharding(two_axes, spec))
         np.testing.assert_array_equal(shard._assemble(array), np.asarray(array))
 
     class Partial:  # what a process holds of an array split across processes: one block of two
@@ -126,7 +127,8 @@ def test_a_save_that_fails_on_the_first_process_stops_every_process(card, tmp_pa
     (tmp_path / "run" / "step-00000002.partial").write_text("a file where the save makes its folder")
     errors = run_two_processes(card, 2, tmp_path / "run", tmp_path / "out.json", failing=True)
     assert "step-00000002.partial" in errors[0], errors[0]
-    assert errors[1] == f"RuntimeError: saving a checkpoint into {tmp_path / 'run'} failed on process 0; its own error says why"
+    assert errors[1] == (f"RuntimeError: saving a checkpoint into {tmp_path / 'run'} failed on process 0; "
+                         f"its own error says why")
 
 
 def test_a_process_whose_rows_run_out_first_stops_every_process(card, tmp_path):

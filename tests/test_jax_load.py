@@ -6,7 +6,7 @@ model being made whole; and evaluate over parts, which builds them once for trai
 
 from __future__ import annotations
 
-import sys
+import importlib
 import json
 
 import jax
@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from hf_models import BASE, LLAMA3_SCALING, load_hf, save_hf_llama, write_card
 from linnet import nest
 from linnet.jax import shard
-import linnet.jax.train
-jax_train = sys.modules["linnet.jax.train"]  # the module: linnet.jax.train is also the function
 from linnet.data.packing import Example, pack
 from linnet.hf.read import SliceReader
+
+jax_train = importlib.import_module("linnet.jax.train")  # the module: linnet.jax.train is also the function
 
 ROW = 32
 TOKENS = np.random.default_rng(2).integers(0, 211, (1, ROW)).astype(np.int32)
@@ -225,7 +225,8 @@ def test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits(recomput
     _, fast_low = value_and_grads(chunked)(*low)
     for got, baseline, want in zip(fast_low, exact_low, (exact_hidden, exact_head)):
         error = np.linalg.norm(got.astype(np.float32) - want) / np.linalg.norm(want)
-        assert got.dtype == jnp.bfloat16 and error < 1.25 * np.linalg.norm(baseline.astype(np.float32) - want) / np.linalg.norm(want)
+        assert got.dtype == jnp.bfloat16
+        assert error < 1.25 * np.linalg.norm(baseline.astype(np.float32) - want) / np.linalg.norm(want)
     logits_bytes = 2 * seq * vocab * 4
 
     def scratch(loss):

@@ -169,7 +169,8 @@ def test_as_the_generated_codes_loss_it_trains_a_card_alike(monkeypatch, compile
                          weights="random", trainable=True, compile=compile, entry="loss")
 
     expected = loss_and_gradients_of(load())
-    monkeypatch.setitem(prims_torch.FAST, "cross_entropy", functools.partial(prims_torch.cross_entropy_in_one_op, rows=10))
+    monkeypatch.setitem(prims_torch.FAST, "cross_entropy",
+                        functools.partial(prims_torch.cross_entropy_in_one_op, rows=10))
     model = load()
     assert "torch.ops.linnet.linear_cross_entropy" in model.source and "rows=10" in model.source
     actual = loss_and_gradients_of(model)

@@ -16,8 +16,8 @@ GENERICS = {"Batch": 1, "MaxSeq": 16, "T": "f32"}
 
 
 def load(card, weights):
-    return nest.load(card, numerics="exact", generics=GENERICS, cast_dtype=True, trainable=True, weights=weights, seed=5,
-                     entry="loss_packed")
+    return nest.load(card, numerics="exact", generics=GENERICS, cast_dtype=True, trainable=True, weights=weights,
+                     seed=5, entry="loss_packed")
 
 
 def flat_slices(model, sharding) -> list[torch.Tensor]:
@@ -51,7 +51,8 @@ def parts_and_reads(rank: int, world: int, card, weights) -> tuple[bool, int]:
     assert sharded.weight_source is None
     expected = flat_slices(load(card, weights), sharded.sharding)
     parts = list(sharded.parameters())
-    return len(parts) == len(expected) and all(torch.equal(p, e) for p, e in zip(parts, expected)), max(counted, default=0)
+    return (len(parts) == len(expected) and all(torch.equal(p, e) for p, e in zip(parts, expected)),
+            max(counted, default=0))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,8 @@ def test_random_parts_are_the_unsharded_models_at_any_world_size(tied_card, worl
 @pytest.fixture(scope="module")
 def sharded_checkpoint(tmp_path_factory):
     """A checkpoint transformers wrote as several bf16 files and an index."""
-    card = save_hf_llama(tmp_path_factory.mktemp("hf"), num_key_value_heads=2, max_shard_size="40KB", dtype=torch.bfloat16)
+    card = save_hf_llama(tmp_path_factory.mktemp("hf"), num_key_value_heads=2, max_shard_size="40KB",
+                         dtype=torch.bfloat16)
     folder = card.parent / "hf"
     assert (folder / "model.safetensors.index.json").exists() and len(list(folder.glob("*.safetensors"))) >= 3
     return card, folder
@@ -133,7 +135,8 @@ def loading_peak(rank: int, world: int, card) -> tuple[int, int, int]:
 
     read = SliceReader.read
 
-    def sampled_read(self, spec, start, end):  # the peak is just after a read: the rows, the group's part, the parts so far
+    # the peak is just after a read: the rows, the group's part, the parts so far
+    def sampled_read(self, spec, start, end):
         rows = read(self, spec, start, end)
         sample()
         return rows

@@ -23,13 +23,15 @@ def one_document_rows(count: int, seed: int) -> list[Row]:
     for _ in range(count):
         ids = rng.integers(0, 200, ROW, dtype=np.int32)
         rows.append(Row(tokens=ids, targets=np.roll(ids, -1), positions=np.arange(ROW, dtype=np.int32),
-                        segments=np.zeros(ROW, np.int32), weights=np.r_[np.ones(ROW - 1), 0.0].astype(np.float32), filled=ROW))
+                        segments=np.zeros(ROW, np.int32), weights=np.r_[np.ones(ROW - 1), 0.0].astype(np.float32),
+                        filled=ROW))
     return rows
 
 
 def packed_rows(count: int, seed: int) -> list[Row]:
     rng = np.random.default_rng(seed)
-    examples = [Example.prompted(rng.integers(0, 200, 9).tolist(), rng.integers(0, 200, 7).tolist()) for _ in range(20 * count)]
+    examples = [Example.prompted(rng.integers(0, 200, 9).tolist(), rng.integers(0, 200, 7).tolist())
+                for _ in range(20 * count)]
     return list(pack(examples, ROW))[:count]
 
 
@@ -37,14 +39,18 @@ def test_which_rows_are_one_document():
     row = one_document_rows(1, 0)[0]
     assert row.is_one_document()
     assert not packed_rows(1, 0)[0].is_one_document()
-    continued = Row(row.tokens, row.targets, row.positions + 5, row.segments, row.weights, ROW)  # a document's later piece
+    # a document's later piece
+    continued = Row(row.tokens, row.targets, row.positions + 5, row.segments, row.weights, ROW)
     assert not continued.is_one_document()
-    padded = Row(row.tokens, row.targets, row.positions, np.r_[np.zeros(ROW - 4), np.ones(4)].astype(np.int32), row.weights, ROW - 4)
+    padded = Row(row.tokens, row.targets, row.positions, np.r_[np.zeros(ROW - 4), np.ones(4)].astype(np.int32),
+                 row.weights, ROW - 4)
     assert not padded.is_one_document()
 
 
-def train_recording(rank: int, world: int, entry: str | None, rows_of_rank: dict) -> tuple[list[float], dict, list[str]]:
-    """Trains the tiny card sharded; returns the losses, the weights, and the entries each step and evaluation called."""
+def train_recording(rank: int, world: int, entry: str | None,
+                    rows_of_rank: dict) -> tuple[list[float], dict, list[str]]:
+    """Trains the tiny card sharded; returns the losses, the weights, and the entries each step and evaluation
+    called."""
     from linnet.torch import fully_shard
     from linnet.torch.shard import gathered_weights
     from linnet.torch.train import evaluate, train
@@ -71,7 +77,8 @@ def test_one_document_rows_train_through_the_causal_entry_as_through_the_packed_
     for (losses, weights, called), (packed_losses, packed_weights, packed_called) in zip(causal, packed):
         assert called == ["loss"] * (STEPS + 2)
         assert packed_called == ["loss_packed"] * (STEPS + 2)
-        np.testing.assert_array_equal(losses, packed_losses)  # the same arithmetic: a causal mask is a one-document mask
+        # the same arithmetic: a causal mask is a one-document mask
+        np.testing.assert_array_equal(losses, packed_losses)
         for name, tensor in weights.items():
             np.testing.assert_array_equal(tensor, packed_weights[name], err_msg=name)
 

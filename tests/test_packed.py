@@ -41,7 +41,8 @@ def token_losses(loss, count: int, *inputs) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("backend, numerics", [("torch", "exact"), ("torch", "fast"), ("jax_source", "exact"), ("jax_source", "fast")])
+@pytest.mark.parametrize("backend, numerics",
+                         [("torch", "exact"), ("torch", "fast"), ("jax_source", "exact"), ("jax_source", "fast")])
 def test_packed_row_equals_documents_alone(backend, numerics):
     model = nest.load("tiny-llama", backend=backend, numerics=numerics, generics=GENERICS)
     if backend == "jax_source":

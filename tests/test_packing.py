@@ -88,7 +88,8 @@ def test_fill_on_the_example_data():
     items = []
     for line in DATA.read_text().splitlines()[:1500]:
         row = json.loads(line)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": row["instruction"]}], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["instruction"]}],
+                                             add_generation_prompt=True, tokenize=False)
         items.append(Example.prompted(tokenizer(text, add_special_tokens=False)["input_ids"],
                                       tokenizer(row["output"] + "<|eot_id|>", add_special_tokens=False)["input_ids"]))
     assert fill_ratio(pack(items, 512)) > 0.97  # measured 0.98 on the full file
@@ -108,7 +109,8 @@ def test_bad_input():
         list(pack(examples(3), 8, open_rows=0))
 
 
-@pytest.mark.parametrize("arch", sorted((Path(__file__).parents[1] / "linnet" / "cards").glob("*.arch")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("arch", sorted((Path(__file__).parents[1] / "linnet" / "cards").glob("*.arch")),
+                         ids=lambda p: p.stem)
 def test_the_rows_fields_are_in_the_order_every_shipped_loss_packed_takes(arch):
     program = parse_program(arch.read_text(), str(arch))
     assert [param.name for param in program.functions["loss_packed"].params] == list(LOSS_PACKED_INPUTS)

@@ -23,10 +23,12 @@ DRIVER = Path(__file__).parent / "rank_loss_driver.py"
 ROW = 64
 
 
-def torchrun(out: Path, *extra: str, timeout: float, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    """The driver under torchrun at world 2, as users start it; returns the run and when it ended (time.time())."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DRIVER), str(out),
-               *extra]
+def torchrun(out: Path, *extra: str, timeout: float,
+             env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """The driver under torchrun at world 2, as users start it; returns the run and when it ended
+    (time.time())."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DRIVER),
+               str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout, env=env)
     return result, time.time()
@@ -67,9 +69,9 @@ def test_a_lost_machine_ends_the_other_within_a_minute_naming_its_ranks(tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     launches = []
     for node, extra in enumerate(([], ["--kill-this-machine"])):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc_per_node=2",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=linnet-lost-machine", str(DRIVER),
-                   str(tmp_path), "--steps", "8", *extra]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                   "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   "--rdzv-id=linnet-lost-machine", str(DRIVER), str(tmp_path), "--steps", "8", *extra]
         with open(tmp_path / f"machine-{node}.log", "w") as log:  # files, not pipes: a full pipe would stall a machine
             launches.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
         time.sleep(2)  # the first launch hosts the rendezvous, which must outlive the second machine
@@ -110,7 +112,8 @@ def bad_inputs_in_a_users_loop(rank: int, world: int) -> list:
     model = fully_shard(nest.load("tiny-llama", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
                                   cast_dtype=True, trainable=True, weights="random", entry="loss_packed"))
     rng = np.random.default_rng(0)
-    examples = [Example.prompted(rng.integers(6, 512, 12).tolist(), rng.integers(6, 512, 8).tolist()) for _ in range(40)]
+    examples = [Example.prompted(rng.integers(6, 512, 12).tolist(), rng.integers(6, 512, 8).tolist())
+                for _ in range(40)]
     row = list(pack(examples, ROW))[rank]
     good = [torch.from_numpy(f)[None] for f in (row.tokens, row.targets, row.positions, row.segments, row.weights)]
     bad = {"shape": [torch.cat([x, x[:, :1]], dim=1) for x in good], "dtype": [good[0].float(), *good[1:]]}

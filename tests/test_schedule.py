@@ -51,7 +51,8 @@ class Code:
 
 def _result(lines: list[str], number: int) -> tuple[str, int]:
     """The 1-D buffer an op call at `number` returns, and its length (from inductor's size assert)."""
-    found = next(m for later in lines[number:number + 8] if (m := re.search(r"assert_size_stride\((buf\d+), \((\d+), \)", later)))
+    found = next(m for later in lines[number:number + 8]
+                 if (m := re.search(r"assert_size_stride\((buf\d+), \((\d+), \)", later)))
     return found.group(1), int(found.group(2))
 
 

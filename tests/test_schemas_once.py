@@ -30,7 +30,8 @@ def traced(monkeypatch):
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
     seen, own = [], type(invoke_subgraph).gen_schema
-    monkeypatch.setattr(type(invoke_subgraph), "gen_schema", lambda self, *args: seen.append(args[1]) or own(self, *args))
+    monkeypatch.setattr(type(invoke_subgraph), "gen_schema",
+                        lambda self, *args: seen.append(args[1]) or own(self, *args))
     return seen
 
 

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarnin
     [(2, 0.005, 0.010, 0.010), (8, 0.00875, 0.0175, 0.010)],  # seconds for 1 GB at 100 GB/s, no latency
 )
 def test_the_model_follows_nccl_bus_bandwidth(world, gather, reduce, broadcast):
-    seconds = lambda kind, latency=0.0: sim_world.model_seconds(kind, GB, world, 100.0, latency)
+    def seconds(kind, latency=0.0):
+        return sim_world.model_seconds(kind, GB, world, 100.0, latency)
+
     assert seconds("all_gather") == pytest.approx(gather)  # S (n-1)/n / busbw
     assert seconds("reduce_scatter") == pytest.approx(gather)
     assert seconds("all_reduce") == pytest.approx(reduce)  # 2 S (n-1)/n / busbw
@@ -75,7 +77,8 @@ def test_a_collective_returns_at_once_and_its_wait_takes_the_modelled_time(simul
     assert 0.95 * modelled <= elapsed(start) < modelled + 0.1
     # two in flight run one after the other, as on one communicator
     start = time.perf_counter()
-    works = [dist.all_gather_into_tensor(full, part, async_op=True), dist.reduce_scatter_tensor(part, full, async_op=True)]
+    works = [dist.all_gather_into_tensor(full, part, async_op=True),
+             dist.reduce_scatter_tensor(part, full, async_op=True)]
     for work in works:
         work.wait()
     assert 1.95 * modelled <= elapsed(start) < 2 * modelled + 0.1
@@ -204,7 +207,8 @@ def test_a_linnet_training_step_runs_as_rank_0_of_four(device):
         assert len(history.steps) == 1  # its loss is noise: the gathered weights are whatever memory held
         groups = 1 + 2 + 1  # the embedding, two layers, the final norm (the head is tied)
         assert sim.calls["all_gather"] >= groups and sim.calls["reduce_scatter"] >= groups
-        assert sim.calls["all_reduce"] == 3  # train's two a step, and the ranks' agreement on the inputs (linnet/torch/agree.py)
+        # train's two a step, and the ranks' agreement on the inputs (linnet/torch/agree.py)
+        assert sim.calls["all_reduce"] == 3
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

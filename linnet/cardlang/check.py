@@ -59,7 +59,8 @@ def check_program(program: Program, config: dict, config_path: str) -> Checked:
         elif decl.has_default:
             value = decl.default
         else:
-            raise CardError(config_path, None, f"[config] lacks {decl.config_key} (const {decl.name} of {program.path}:{decl.line})")
+            raise CardError(config_path, None,
+                            f"[config] lacks {decl.config_key} (const {decl.name} of {program.path}:{decl.line})")
         if not decl.supports(value):
             raise CardError(
                 config_path, None,
@@ -70,16 +71,19 @@ def check_program(program: Program, config: dict, config_path: str) -> Checked:
     checked = Checked(program, dims, consts, {})
     for group in program.groups.values():
         if group.repeat is not None and group.repeat.substitute(dims).names:
-            raise CardError(program.path, group.line, f"group {group.name} repeats {group.repeat} times, which is not fixed by the instance card")
+            raise CardError(program.path, group.line,
+                            f"group {group.name} repeats {group.repeat} times, which is not fixed by the instance card")
         for weight in group.weights:
             free = [n for d in weight.dims for n in d.substitute(dims).names]
             if free:
-                raise CardError(program.path, weight.line, f"weight {weight.name} has generic dimensions {free}; weights need fixed shapes")
+                raise CardError(program.path, weight.line,
+                                f"weight {weight.name} has generic dimensions {free}; weights need fixed shapes")
             if weight.tied_if is not None and not isinstance(consts[weight.tied_if], bool):
                 decl = program.consts[weight.tied_if]
-                raise CardError(config_path, None, f"[config] {decl.config_key} = {_json(consts[weight.tied_if])} must be "
-                                                   f"true or false: it says whether weight {weight.name} is tied to "
-                                                   f"{'.'.join(weight.tied_to)} ({program.path}:{weight.line})")
+                raise CardError(config_path, None,
+                                f"[config] {decl.config_key} = {_json(consts[weight.tied_if])} must be true or false: "
+                                f"it says whether weight {weight.name} is tied to {'.'.join(weight.tied_to)} "
+                                f"({program.path}:{weight.line})")
     for function in program.functions.values():
         _FunctionChecker(checked, function, config_path).run()
     _reject_recursion(program)
@@ -159,7 +163,8 @@ class _FunctionChecker:
                     self.fail(f"`{name}` is {value} before the loop and {self.env[name]} after a pass of it: a value "
                               f"carried from one {group.name} to the next must keep its type")
         else:
-            self.fail(f"expected an assignment, a `for w in Group:` loop or `return`, got `{ast.unparse(node).splitlines()[0]}`")
+            self.fail(f"expected an assignment, a `for w in Group:` loop or `return`, "
+                      f"got `{ast.unparse(node).splitlines()[0]}`")
 
     def bind(self, target: ast.expr, value) -> None:
         if isinstance(target, ast.Name):
@@ -183,9 +188,11 @@ class _FunctionChecker:
     def same(self, a, b) -> bool:
         known = self.checked.dims
         if isinstance(a, TensorType) and isinstance(b, TensorType):
-            return a.dtype == b.dtype and a.rank == b.rank and all(x.substitute(known) == y.substitute(known) for x, y in zip(a.dims, b.dims))
+            return a.dtype == b.dtype and a.rank == b.rank and all(x.substitute(known) == y.substitute(known)
+                                                                   for x, y in zip(a.dims, b.dims))
         if isinstance(a, MaskType) and isinstance(b, MaskType):
-            return len(a.dims) == len(b.dims) and all(x.substitute(known) == y.substitute(known) for x, y in zip(a.dims, b.dims))
+            return len(a.dims) == len(b.dims) and all(x.substitute(known) == y.substitute(known)
+                                                      for x, y in zip(a.dims, b.dims))
         return a == b
 
     # Expressions.
@@ -231,7 +238,8 @@ class _FunctionChecker:
         group = self.program.groups[value.name]
         weight = next((w for w in group.weights if w.name == node.attr), None)
         if weight is None:
-            self.fail(f"group {group.name} has no weight `{node.attr}`; it has {', '.join(w.name for w in group.weights)}")
+            self.fail(f"group {group.name} has no weight `{node.attr}`; "
+                      f"it has {', '.join(w.name for w in group.weights)}")
         return TensorType(self.program.compute_dtype, weight.dims)
 
     def call(self, node: ast.Call):
@@ -244,19 +252,23 @@ class _FunctionChecker:
         if name in PRIMITIVES:
             primitive = PRIMITIVES[name]
             if len(args) != len(primitive.params):
-                self.fail(f"{name}() takes {len(primitive.params)} arguments ({', '.join(primitive.params)}), got {len(args)}")
+                self.fail(f"{name}() takes {len(primitive.params)} arguments ({', '.join(primitive.params)}), "
+                          f"got {len(args)}")
             unknown = set(keywords) - set(primitive.keywords)
             if unknown:
-                self.fail(f"{name}() takes no keyword {sorted(unknown)[0]}=; it takes {list(primitive.keywords) or 'none'}")
-            return primitive.rule(CallTypes(name, args, keywords, self.checked.dims, self.program.compute_dtype, self.fail,
-                                            self.fail_setting))
+                self.fail(f"{name}() takes no keyword {sorted(unknown)[0]}=; "
+                          f"it takes {list(primitive.keywords) or 'none'}")
+            return primitive.rule(CallTypes(name, args, keywords, self.checked.dims, self.program.compute_dtype,
+                                            self.fail, self.fail_setting))
         function = self.program.functions.get(name)
         if function is None:
-            self.fail(f"unknown operation `{name}`: expected a primitive ({', '.join(sorted(PRIMITIVES))}) or a function of the card")
+            self.fail(f"unknown operation `{name}`: expected a primitive ({', '.join(sorted(PRIMITIVES))}) "
+                      f"or a function of the card")
         if function.entry:
             self.fail(f"{name} is an entry; entries are called from outside, not from the card")
         if keywords or len(args) != len(function.params):
-            self.fail(f"{name}() takes {len(function.params)} positional arguments, got {len(args)} and {len(keywords)} keywords")
+            self.fail(f"{name}() takes {len(function.params)} positional arguments, "
+                      f"got {len(args)} and {len(keywords)} keywords")
         for param, value in zip(function.params, args):
             if not self.same(value, param.type):
                 self.fail(f"shape mismatch: {name}() parameter {param.name} is {param.type}, got {value}")
@@ -271,7 +283,8 @@ class _FunctionChecker:
                 self.fail(f"shape mismatch: {left} {symbol} {right} (operands must have the same type)")
             return left
         for tensor, other in ((left, right), (right, left)):
-            if isinstance(tensor, TensorType) and isinstance(other, ConstValue) and isinstance(other.value, (int, float)):
+            if (isinstance(tensor, TensorType) and isinstance(other, ConstValue)
+                    and isinstance(other.value, (int, float))):
                 return tensor
         self.fail(f"cannot compute {left} {symbol} {right}")
 
@@ -287,9 +300,10 @@ def _dim_default(decl, node: ast.expr, dims: dict[str, int], program: Program, c
     if isinstance(node.op, ast.Mult):
         return left * right
     if left % right:
-        raise CardError(config_path, None, f"[config] lacks {decl.config_key}, and its default ({_spelled(node, program)} = {left} // "
-                                           f"{right}, dimension {decl.name} of {program.path}:{decl.line}) does not "
-                                           f"divide exactly: give {decl.config_key}")
+        raise CardError(config_path, None,
+                        f"[config] lacks {decl.config_key}, and its default ({_spelled(node, program)} = "
+                        f"{left} // {right}, dimension {decl.name} of {program.path}:{decl.line}) does not "
+                        f"divide exactly: give {decl.config_key}")
     return left // right
 
 
@@ -299,7 +313,8 @@ def _spelled(node: ast.expr, program: Program) -> str:
         return str(node.value)
     if isinstance(node, ast.Name):
         return program.dims[node.id].config_key
-    return f"{_spelled(node.left, program)} {'*' if isinstance(node.op, ast.Mult) else '//'} {_spelled(node.right, program)}"
+    return (f"{_spelled(node.left, program)} {'*' if isinstance(node.op, ast.Mult) else '//'} "
+            f"{_spelled(node.right, program)}")
 
 
 def _json(value) -> str:
@@ -308,7 +323,8 @@ def _json(value) -> str:
 
 def _reject_recursion(program: Program) -> None:
     calls = {
-        f.name: {n.func.id for s in f.body for n in ast.walk(s) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in program.functions}
+        f.name: {n.func.id for s in f.body for n in ast.walk(s)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in program.functions}
         for f in program.functions.values()
     }
 
@@ -316,7 +332,8 @@ def _reject_recursion(program: Program) -> None:
         for callee in calls[name]:
             if callee in path:
                 function = program.functions[name]
-                raise CardError(program.path, function.line, f"recursion: {' -> '.join(path + [callee])}; card functions may not call themselves")
+                raise CardError(program.path, function.line,
+                                f"recursion: {' -> '.join(path + [callee])}; card functions may not call themselves")
             visit(callee, path + [callee])
 
     for name in calls:

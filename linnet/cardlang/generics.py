@@ -65,7 +65,8 @@ def _check_dim(dim: Dim, size: int, fixed: dict, generics: dict, seen: dict, sig
     if len(dim.names) == 1 and dim.coefficient == 1 and dim.names[0] in generics:
         name = dim.names[0]
         if size > generics[name]:
-            raise ValueError(f"{signature}: got shape {tuple(shape)}, but {name} is at most {generics[name]} (bound at load)")
+            raise ValueError(f"{signature}: got shape {tuple(shape)}, but {name} is at most {generics[name]} "
+                             f"(bound at load)")
         if seen.setdefault(name, size) != size:
             raise ValueError(f"{signature}: {name} is {size} here but {seen[name]} in an earlier input")
         return

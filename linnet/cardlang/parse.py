@@ -111,7 +111,8 @@ class _Parser:
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
             raise self.error(node, f"expected `{name} = dim(...)`, `const(config=...)` or `dtype()`")
         kind = call.func.id
-        allowed = {"dim": {"config", "default"}, "const": {"config", "default", "allowed", "each"}}.get(kind, {"config"})
+        allowed = {"dim": {"config", "default"},
+                   "const": {"config", "default", "allowed", "each"}}.get(kind, {"config"})
         keywords = self.keywords(call, allowed=allowed)
         if call.args:
             raise self.error(node, f"{kind}() takes only keywords: {', '.join(f'{k}=' for k in sorted(allowed))}")
@@ -140,7 +141,8 @@ class _Parser:
 
     def dim_default(self, node: ast.expr) -> None:
         """A dimension's default: integers and dimensions the card fixes, declared above, with `*` and `//`."""
-        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool) and node.value > 0:
+        if (isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool)
+                and node.value > 0):
             return
         if isinstance(node, ast.Name):
             decl = self.program.dims.get(node.id)
@@ -165,7 +167,8 @@ class _Parser:
                                            f"`{ast.unparse(keywords[keyword])}`") from None
         for keyword in ("allowed", "each"):
             if keyword in values and not (isinstance(values[keyword], list) and values[keyword]):
-                raise self.error(node, f"const {name}: {keyword}= must be a non-empty list of values, got {values[keyword]!r}")
+                raise self.error(node, f"const {name}: {keyword}= must be a non-empty list of values, "
+                                       f"got {values[keyword]!r}")
         decl = ConstDecl(name, key, node.lineno, "default" in values, values.get("default"),
                          tuple(values["allowed"]) if "allowed" in values else None,
                          tuple(values["each"]) if "each" in values else None)
@@ -227,7 +230,8 @@ class _Parser:
             return WeightDecl(name, dims, value.value, "normal", None, None, item.lineno)
         if not (isinstance(value, ast.Call) and ast.unparse(value.func) == "weight"):
             raise self.error(item, f'weight {name}: expected a checkpoint name string or weight("name", ...)')
-        if len(value.args) != 1 or not (isinstance(value.args[0], ast.Constant) and isinstance(value.args[0].value, str)):
+        if len(value.args) != 1 or not (isinstance(value.args[0], ast.Constant)
+                                        and isinstance(value.args[0].value, str)):
             raise self.error(item, f"weight {name}: weight() takes the checkpoint name as its one positional argument")
         keywords = self.keywords(value, allowed={"init", "tied_to", "tied_if"})
         init = "normal"
@@ -274,7 +278,8 @@ class _Parser:
         if group.repeat is not None:
             raise self.error(item, "tied_to= cannot name a weight of a repeated group")
         if target.dims != dims:
-            raise self.error(item, f"tied_to={ast.unparse(node)} has shape W[{_dims_str(target.dims)}], not W[{_dims_str(dims)}]")
+            raise self.error(item, f"tied_to={ast.unparse(node)} has shape W[{_dims_str(target.dims)}], "
+                                   f"not W[{_dims_str(dims)}]")
         return group.name, target.name
 
     # Types and dimensions.
@@ -326,18 +331,21 @@ class _Parser:
         arguments = node.args
         if arguments.vararg or arguments.kwarg or arguments.kwonlyargs or arguments.defaults or arguments.posonlyargs:
             raise self.error(node, f"function {node.name}: only plain positional parameters with types are allowed")
-        params = [Param(a.arg, self.type(a.annotation, f"parameter {a.arg} of {node.name}"), a.lineno) for a in arguments.args]
+        params = [Param(a.arg, self.type(a.annotation, f"parameter {a.arg} of {node.name}"), a.lineno)
+                  for a in arguments.args]
         for index, param in enumerate(params):
             if any(other.name == param.name for other in params[:index]):
                 raise self.error_at(param.line, f"function {node.name}: parameter {param.name} is named twice")
             if decorators and not isinstance(param.type, TensorType):
-                raise self.error_at(param.line, f"entry {node.name}: parameter {param.name} is {param.type}; an entry "
-                                                f"takes tensors only (a mask is made inside, from the tokens or segments)")
+                raise self.error_at(param.line,
+                                    f"entry {node.name}: parameter {param.name} is {param.type}; an entry takes "
+                                    f"tensors only (a mask is made inside, from the tokens or segments)")
         returns = self.type(node.returns, f"the return of {node.name}")
         body = list(node.body)
         if body and _is_docstring(body[0]):
             body = body[1:]
-        self.program.functions[node.name] = FunctionDecl(node.name, params, returns, body, bool(decorators), node.lineno)
+        self.program.functions[node.name] = FunctionDecl(node.name, params, returns, body, bool(decorators),
+                                                         node.lineno)
 
 
 def _dims_str(dims: tuple[Dim, ...]) -> str:

@@ -67,7 +67,8 @@ class CallTypes:
 
     def same(self, a: Dim, b: Dim, what: str) -> None:
         if a.substitute(self.known) != b.substitute(self.known):
-            self.fail(f"shape mismatch in {self.name}(): {what}: {a} = {_show(a, self.known)} vs {b} = {_show(b, self.known)}")
+            self.fail(f"shape mismatch in {self.name}(): {what}: {a} = {_show(a, self.known)} "
+                      f"vs {b} = {_show(b, self.known)}")
 
     def divide(self, dim: Dim, by: Dim, what: str) -> Dim:
         """dim / by, exactly: symbolically if the names allow, else in numbers."""
@@ -76,7 +77,8 @@ class CallTypes:
             return Dim(dim.coefficient // by.coefficient, tuple(sorted((names - divisor).elements())))
         top, bottom = dim.substitute(self.known), by.substitute(self.known)
         if top.names or bottom.names or top.coefficient % bottom.coefficient:
-            self.fail(f"{self.name}(): {what}: {dim} = {_show(dim, self.known)} does not divide by {by} = {_show(by, self.known)}")
+            self.fail(f"{self.name}(): {what}: {dim} = {_show(dim, self.known)} "
+                      f"does not divide by {by} = {_show(by, self.known)}")
         return Dim.const(top.coefficient // bottom.coefficient)
 
     def what(self, index: int) -> str:
@@ -138,7 +140,10 @@ def _merge_heads(call: CallTypes):
 
 
 # The frequency scalings rope() computes, each with the keys it reads (transformers' rope_type).
-_ROPE_SCALINGS = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_ROPE_SCALINGS = {
+    "default": (),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def _rope(call: CallTypes):

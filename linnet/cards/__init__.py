@@ -50,7 +50,9 @@ class Weights:
 class Card:
     name: str
     family: str
-    path: Path  # the card file (config.json for a model folder): where errors point, and where a family program beside it is looked for
+    # the card file (config.json for a model folder): where errors point, and where a family program
+    # beside it is looked for
+    path: Path
     weights: Weights
     config: dict
 
@@ -122,7 +124,8 @@ def _load_card(path: Path) -> Card:
     unknown = set(data) - _TOP_KEYS
     missing = _TOP_KEYS - set(data)
     if unknown or missing:
-        detail = "; ".join(filter(None, [missing and f"missing {sorted(missing)}", unknown and f"unknown {sorted(unknown)}"]))
+        detail = "; ".join(filter(None, [missing and f"missing {sorted(missing)}",
+                                         unknown and f"unknown {sorted(unknown)}"]))
         raise CardError(str(path), None, f"a card has exactly the keys {sorted(_TOP_KEYS)}: {detail}")
     for key, kind, described in (("name", str, "a string"), ("family", str, "a string"), ("weights", dict, "a table"),
                                  ("config", dict, "a table")):

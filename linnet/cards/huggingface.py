@@ -44,7 +44,8 @@ def family_of(config: dict, where: Path, cards_dir: Path) -> str:
     model_type = config.get("model_type")
     supported = supported_model_types(cards_dir)
     if model_type not in supported:
-        raise NotAModel(f"{where}: model_type {model_type!r} has no family in Linnet; supported: {', '.join(supported)}")
+        raise NotAModel(f"{where}: model_type {model_type!r} has no family in Linnet; "
+                        f"supported: {', '.join(supported)}")
     causal = [a for a in config.get("architectures") or [] if str(a).endswith("ForCausalLM")]
     if config.get("architectures") and not causal:
         raise NotAModel(f"{where}: architectures {config['architectures']} hold no causal language model "

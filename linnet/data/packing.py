@@ -47,7 +47,8 @@ class Example:
         """A prompt and its answer: the loss is on the answer's tokens only."""
         prompt, answer = tuple(prompt), tuple(answer)
         if not prompt or not answer:
-            raise ValueError(f"Example.prompted needs a prompt and an answer, got {len(prompt)} and {len(answer)} tokens")
+            raise ValueError(f"Example.prompted needs a prompt and an answer, "
+                             f"got {len(prompt)} and {len(answer)} tokens")
         weights = (0.0,) * (len(prompt) - 1) + (1.0,) * len(answer)
         return Example(prompt + answer, weights)
 
@@ -77,7 +78,8 @@ class Row:
     def is_one_document(self) -> bool:
         """Whether one document fills the row from its first position: then its packed loss is the
         plain causal loss (no document mask, positions from 0)."""
-        return bool((self.segments == self.segments[0]).all() and (self.positions == np.arange(len(self.positions))).all())
+        return bool((self.segments == self.segments[0]).all()
+                    and (self.positions == np.arange(len(self.positions))).all())
 
     def check_ids(self, vocab: int, where: str) -> None:
         """Raises if a token or target is not an id of a vocabulary of `vocab` (an embedding would
@@ -126,7 +128,8 @@ def pack(examples: Iterable[Example], tokens: int, *, pad: int = 0, open_rows: i
     opened = 0
     for example in examples:
         if not isinstance(example, Example):
-            raise TypeError(f"pack takes Example objects (Example.prompted, Example.text), got {type(example).__name__}")
+            raise TypeError(f"pack takes Example objects (Example.prompted, Example.text), "
+                            f"got {type(example).__name__}")
         for piece in _pieces(example, tokens):
             size = len(piece.tokens)
             fits = [row for row in rows if row.used + size <= tokens]

@@ -57,7 +57,8 @@ def rope(positions, head_dim, theta, scaling):
         # torch divides a number by a tensor as the tensor's reciprocal times the number: so here too.
         wavelen = (np.float32(1) / inv_freq) * np.float32(2 * math.pi)
         scaled = np.where(wavelen > context / low, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
-        smooth = (((np.float32(1) / wavelen) * np.float32(context) - np.float32(low)) / np.float32(high - low)).astype(np.float32)
+        smooth = (((np.float32(1) / wavelen) * np.float32(context) - np.float32(low))
+                  / np.float32(high - low)).astype(np.float32)
         smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
         medium = ~(wavelen < context / high) & ~(wavelen > context / low)
         inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
@@ -111,7 +112,8 @@ def attention_fast(q, k, v, mask, kernel=None):
                                             implementation="cudnn" if fused else "xla")
 
     def causal(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="cudnn" if fused else "xla")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                            implementation="cudnn" if fused else "xla")
 
     def packed(most):
         def attend(q, k, v):
@@ -242,7 +244,8 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
         losses = top - jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1)[..., 0]
         if not with_gradients:
             return jnp.sum(losses * w)
-        d_logits = (jnp.exp(logits - top[..., None]) - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)) * w[..., None]
+        d_logits = ((jnp.exp(logits - top[..., None]) - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32))
+                    * w[..., None])
         d_logits = d_logits.astype(jnp.result_type(h, head))  # as the cast to f32 passes the gradient back
         d_hidden = jnp.einsum("bsv,vd->bsd", d_logits, head).astype(h.dtype)
         d_head = jnp.einsum("bsv,bsd->vd", d_logits, h, preferred_element_type=jnp.float32)
@@ -281,8 +284,8 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
 
     def summed_backward(saved, g):
         d_hidden, d_head = gradients_stacked(*saved) if recompute else saved
-        return ((d_hidden.astype(jnp.float32) * g).astype(d_hidden.dtype), (d_head.astype(jnp.float32) * g).astype(d_head.dtype),
-                None, None)
+        return ((d_hidden.astype(jnp.float32) * g).astype(d_hidden.dtype),
+                (d_head.astype(jnp.float32) * g).astype(d_head.dtype), None, None)
 
     total = jax.custom_vjp(summed)
     total.defvjp(summed_forward, summed_backward)

@@ -89,7 +89,8 @@ def tied_names(checked: Checked) -> dict[str, str]:
         for weight in group.weights:
             if checked.is_tied(weight):
                 target_group, target = weight.tied_to
-                out[weight.checkpoint_name] = next(w for w in groups[target_group].weights if w.name == target).checkpoint_name
+                out[weight.checkpoint_name] = next(w for w in groups[target_group].weights
+                                                   if w.name == target).checkpoint_name
     return out
 
 
@@ -159,10 +160,12 @@ def check_checkpoint(checked: Checked, files: dict[str, Path]) -> list[WeightSpe
             for spec in file_specs:
                 shape = tuple(f.get_slice(spec.checkpoint_name).get_shape())
                 if shape != spec.shape:
-                    problems.append(f"{spec.checkpoint_name} has shape {shape} in {file.name}, the card expects {spec.shape}")
+                    problems.append(f"{spec.checkpoint_name} has shape {shape} in {file.name}, "
+                                    f"the card expects {spec.shape}")
     folder = next(iter(files.values())).parent
     if problems:
-        raise ValueError(f"the checkpoint in {folder} does not match card {checked.program.path}:\n  " + "\n  ".join(problems))
+        raise ValueError(f"the checkpoint in {folder} does not match card {checked.program.path}:\n  "
+                         + "\n  ".join(problems))
     _check_one_save(folder, saves)
     return specs
 
@@ -177,7 +180,8 @@ def _check_one_save(folder: Path, saves: dict[str, str | None]) -> None:
                          f"save_weights was cut short as it moved its files in. Save the weights again.")
 
 
-def read_tensors(specs: list[WeightSpec], files: dict[str, Path], device: str = "cpu") -> Iterator[tuple[WeightSpec, object]]:
+def read_tensors(specs: list[WeightSpec], files: dict[str, Path],
+                 device: str = "cpu") -> Iterator[tuple[WeightSpec, object]]:
     """Each spec with its tensor, one file open at a time, straight onto `device`."""
     from safetensors import safe_open
 

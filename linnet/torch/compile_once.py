@@ -67,7 +67,8 @@ def _installed() -> bool:
 
 @contextmanager
 def schemas_once():
-    if getattr(_held, "schemas", None) is not None or not _installed():  # held already (a nested entry), or nothing to do
+    # held already (a nested entry), or nothing to do
+    if getattr(_held, "schemas", None) is not None or not _installed():
         yield
         return
     _held.schemas = {}

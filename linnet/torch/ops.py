@@ -94,7 +94,8 @@ def wait_gathered(gathered: torch.Tensor, part: torch.Tensor, reduce_op: str, re
                               replicas)
 
 
-def after(x: torch.Tensor, forward_deps: Sequence[torch.Tensor], backward_deps: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+def after(x: torch.Tensor, forward_deps: Sequence[torch.Tensor],
+          backward_deps: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """A copy of `x` that exists only once every tensor of `forward_deps` does; its gradient is a
     copy made only once every tensor of `backward_deps` exists (they are kept, or recomputed, for
     the backward). Generated code orders its collectives with it."""

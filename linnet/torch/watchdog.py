@@ -103,7 +103,8 @@ class _Watchdog:
         self.store.set(self.key(rank), "0")
         # Where this rank runs, for a message about it: torchrun's machine index (GROUP_RANK) and the host.
         machine = os.environ.get("GROUP_RANK")
-        self.store.set(self.host_key(rank), (f"machine {machine}, " if machine is not None else "") + f"host {socket.gethostname()}")
+        self.store.set(self.host_key(rank),
+                       (f"machine {machine}, " if machine is not None else "") + f"host {socket.gethostname()}")
         atexit.register(self._leave)
 
     def _leave(self) -> None:
