@@ -51,7 +51,8 @@ def layout(lengths: list[int], device) -> dict:
     segments = torch.repeat_interleave(torch.arange(len(lengths), device=device),
                                        torch.tensor(lengths, device=device))[None]  # (1, S)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    starts = cu[:-1].repeat_interleave(torch.tensor(lengths, device=device))[None]  # (1, S): each token's document start
+    # (1, S): each token's document start
+    starts = cu[:-1].repeat_interleave(torch.tensor(lengths, device=device))[None]
     return dict(seq=seq, segments=segments, cu=cu, starts=starts, documents=len(lengths))
 
 
@@ -59,7 +60,8 @@ def exact(q, k, v, segments):
     groups = q.shape[1] // k.shape[1]
     q, k, v = q.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
     seq = q.shape[2]
-    mask = (segments[:, :, None] == segments[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    mask = ((segments[:, :, None] == segments[:, None, :])
+            & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril())
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
 
 
@@ -99,7 +101,8 @@ def candidates(lay: dict, heads: int, kv_heads: int):
 
     def varlen_flash(q, k, v):
         from torch.nn.attention.varlen import varlen_attn
-        return from_thd(varlen_attn(to_thd(q), to_thd(k), to_thd(v), cu, cu, seq, seq, window_size=(-1, 0), enable_gqa=True))
+        return from_thd(varlen_attn(to_thd(q), to_thd(k), to_thd(v), cu, cu, seq, seq, window_size=(-1, 0),
+                                    enable_gqa=True))
 
     def varlen_cudnn(cu, repeat=False):
         def run(q, k, v):
@@ -192,8 +195,9 @@ def main():
                           for x, r in zip((out, *grads), (reference, *ref_grads))]
                 forward, both = timed(fn, q, k, v, grad, a.reps)
                 print("RESULT " + json.dumps(dict(
-                    shape=a.shape, layout=name, documents=lay["documents"], candidate=cand, forward_ms=round(forward, 3),
-                    forward_backward_ms=round(both, 3), rel_error=[f"{e:.1e}" for e in errors])), flush=True)
+                    shape=a.shape, layout=name, documents=lay["documents"], candidate=cand,
+                    forward_ms=round(forward, 3), forward_backward_ms=round(both, 3),
+                    rel_error=[f"{e:.1e}" for e in errors])), flush=True)
             except Exception as e:  # noqa: BLE001  (a candidate this torch or GPU lacks: say so and go on)
                 print("RESULT " + json.dumps(dict(shape=a.shape, layout=name, candidate=cand,
                                                   error=f"{type(e).__name__}: {str(e)[:300]}")), flush=True)

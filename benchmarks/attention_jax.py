@@ -158,8 +158,8 @@ def main():
             result = measure(name, attend, q, k, v, segments, reference, args.reps)
             if name == "cudnn-causal" and len(lengths) > 1:
                 result["note"] = "wrong here (documents see each other): the speed of the whole triangle"
-            print("RESULT " + json.dumps(dict(shape=args.shape, seq=args.seq, layout=layout, documents=len(lengths), **result)),
-                  flush=True)
+            print("RESULT " + json.dumps(dict(shape=args.shape, seq=args.seq, layout=layout, documents=len(lengths),
+                                              **result)), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ def random_rows(seed: int, tokens: int, vocab: int, packed: bool = False):
         ids = rng.integers(0, min(vocab, 32000), tokens, dtype=np.int32)
         lengths = [tokens]
         if packed:
-            lengths = np.diff(np.unique(np.r_[0, np.cumsum(np.clip(rng.lognormal(6.0, 0.8, tokens // 16), 16, 3000).astype(int)), tokens].clip(0, tokens)))
+            drawn = np.clip(rng.lognormal(6.0, 0.8, tokens // 16), 16, 3000).astype(int)
+            lengths = np.diff(np.unique(np.r_[0, np.cumsum(drawn), tokens].clip(0, tokens)))
         ends = np.cumsum(lengths)
         starts = ends - lengths
         segments = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
         weights = np.ones(tokens, np.float32)
         weights[ends - 1] = 0.0
-        yield Row(tokens=ids, targets=np.roll(ids, -1), positions=(np.arange(tokens) - np.repeat(starts, lengths)).astype(np.int32),
+        yield Row(tokens=ids, targets=np.roll(ids, -1),
+                  positions=(np.arange(tokens) - np.repeat(starts, lengths)).astype(np.int32),
                   segments=segments, weights=weights, filled=tokens)
 
 
@@ -40,7 +42,8 @@ def load_rows(path, rank: int = 0, world: int = 1) -> list:
     """Rank `rank`'s rows of a .npz that save_rows wrote: rows rank, rank + world, ..."""
     with np.load(path) as arrays:
         fields = {f: arrays[f][rank::world] for f in FIELDS}
-    return [Row(**{f: fields[f][i] for f in FIELDS}, filled=len(fields["tokens"][i])) for i in range(len(fields["tokens"]))]
+    return [Row(**{f: fields[f][i] for f in FIELDS}, filled=len(fields["tokens"][i]))
+            for i in range(len(fields["tokens"]))]
 
 
 def parameters(model) -> int:

@@ -54,7 +54,8 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 card = resolve(args.card)
 if args.shrink:
     width, ffn, layers, vocab = map(int, args.shrink.split(","))
-    config, head_dim = dict(card.config), card.config.get("head_dim") or card.config["hidden_size"] // card.config["num_attention_heads"]
+    config = dict(card.config)
+    head_dim = card.config.get("head_dim") or card.config["hidden_size"] // card.config["num_attention_heads"]
     groups = config["num_attention_heads"] // config["num_key_value_heads"]
     heads = width // head_dim
     config.update(hidden_size=width, intermediate_size=ffn, num_hidden_layers=layers, vocab_size=vocab,

@@ -36,8 +36,8 @@ for event in trace:
 
 
 def frames(event) -> str:
-    shown = [f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}" for frame in event.get("frames", [])
-             if not re.search(r"(site|dist)-packages/torch/", frame["filename"])]
+    shown = [f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
+             for frame in event.get("frames", []) if not re.search(r"(site|dist)-packages/torch/", frame["filename"])]
     return " < ".join(shown[:args.frames]) or "(no Python frame)"
 
 

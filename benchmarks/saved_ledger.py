@@ -45,7 +45,8 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 def ledger(layers: int) -> collections.Counter:
     """Bytes kept for the backward by (shape, dtype), with the card made of `layers` layers."""
     card = resolve(args.card)
-    card = dataclasses.replace(card, name=f"{card.name}-{layers}-layers", config={**card.config, "num_hidden_layers": layers})
+    card = dataclasses.replace(card, name=f"{card.name}-{layers}-layers",
+                               config={**card.config, "num_hidden_layers": layers})
     model = nest.load(card, backend="torch", device="cpu", numerics="fast", compile="inductor",
                       generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"}, cast_dtype=True, trainable=True,
                       weights="random", entry="loss")

@@ -38,7 +38,8 @@ def task_rows(count: int, tokens: int, seed: int = 0) -> list:
     while True:
         for row in generate(2000, seed + made):
             user = row["instruction"] + (f"\n\n{row['input']}" if row["input"] else "")
-            text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                                 tokenize=False)
             prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
             answer = tokenizer(row["output"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
             examples.append(Example.prompted(prompt, answer))
@@ -52,7 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--card", default="llama-3.2-1b")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rows", type=int, default=256, help="rows to train on (a run of S steps on W GPUs reads S x W)")
+    parser.add_argument("--rows", type=int, default=256,
+                        help="rows to train on (a run of S steps on W GPUs reads S x W)")
     parser.add_argument("--held-out", type=int, default=8, help="rows no system trains on, for the held-out loss")
     parser.add_argument("--tokens", type=int, default=4096, help="positions in a row")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -64,7 +66,8 @@ def main() -> None:
     model = nest.load(args.card, backend="torch", generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"},
                       cast_dtype=True, weights="random", seed=0, device=args.device)
     model.save_weights(args.out / "init", dtype=torch.bfloat16)
-    print(f"{args.out}: init/ ({args.card}, random, seed 0), {args.rows} rows and {args.held_out} held out of {args.tokens} positions")
+    print(f"{args.out}: init/ ({args.card}, random, seed 0), {args.rows} rows and {args.held_out} held out "
+          f"of {args.tokens} positions")
 
 
 if __name__ == "__main__":

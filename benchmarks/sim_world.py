@@ -3,8 +3,10 @@ collectives move no data, but each one holds a communication stream busy for the
 would take at a bus bandwidth of SIM_BUS_GBPS, so communication the script leaves exposed shows up
 in its step time (docs/design/simulation.md):
 
-    SIM_WORLD=4 SIM_BUS_GBPS=360 LOCAL_RANK=0 python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
-    SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
+    SIM_WORLD=4 SIM_BUS_GBPS=360 LOCAL_RANK=0 \\
+        python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
+    SIM_WORLD=4 SIM_BUS_GBPS=inf LOCAL_RANK=0 \\
+        python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8
     python3 benchmarks/sim_world.py --compare sim.log inf.log    # exposed share of the communication
     SIM_WORLD=8 SIM_MACHINE_SIZE=4 SIM_NET_GBPS=45 ...            # two machines of four GPUs
 
@@ -216,7 +218,8 @@ class Sim:
         self.bus_gbps = bus_gbps
         self.machine_size = machine_size
         self.net_gbps = bus_gbps if math.isinf(bus_gbps) else net_gbps  # inf: no communication time anywhere
-        self.latency_us = latency_us if latency_us is not None else (0.0 if math.isinf(bus_gbps) else DEFAULT_LATENCY_US)
+        self.latency_us = (latency_us if latency_us is not None
+                           else 0.0 if math.isinf(bus_gbps) else DEFAULT_LATENCY_US)
         self.cycles_per_s = cycles_per_s
         self.calls = collections.Counter()
         self.bytes = collections.Counter()
@@ -270,14 +273,16 @@ class Sim:
                     index = device.index if device.index is not None else torch.cuda.current_device()
                     self._lanes[key] = _CudaLane(torch.device("cuda", index), self.cycles_per_s)
                 case _:
-                    raise NotImplementedError(f"sim_world simulates collectives on cpu and cuda tensors, not {device.type}")
+                    raise NotImplementedError(f"sim_world simulates collectives on cpu and cuda tensors, "
+                                              f"not {device.type}")
         return self._lanes[key]
 
     def step_done(self, step: int, seconds: float) -> None:
         """Called at each `step N loss L Ts` line: the communication issued since the last one."""
         with self._lock:
             calls, comm = self.total_calls, self.total_seconds
-            self.steps.append(dict(step=step, step_s=seconds, comm_s=round(comm - self._mark[1], 6), calls=calls - self._mark[0]))
+            self.steps.append(dict(step=step, step_s=seconds, comm_s=round(comm - self._mark[1], 6),
+                                   calls=calls - self._mark[0]))
             self._mark = (calls, comm)
 
     def close(self) -> None:
@@ -297,7 +302,8 @@ class Sim:
                       machine_size=self.machine_size, net_gbps="inf" if math.isinf(self.net_gbps) else self.net_gbps,
                       comm_s_by_link={link: round(seconds, 6) for link, seconds in sorted(self.link_seconds.items())},
                       latency_us=self.latency_us, collectives=self.total_calls, comm_s=round(self.total_seconds, 6),
-                      by_kind={kind: dict(calls=self.calls[kind], bytes=self.bytes[kind], comm_s=round(self.seconds[kind], 6))
+                      by_kind={kind: dict(calls=self.calls[kind], bytes=self.bytes[kind],
+                                          comm_s=round(self.seconds[kind], 6))
                                for kind in sorted(self.calls)},
                       step_s=round(statistics.median(s["step_s"] for s in timed), 4) if timed else None,
                       comm_s_per_step=round(statistics.median(s["comm_s"] for s in timed), 6) if timed else None,
@@ -394,7 +400,8 @@ _installed: dict = {}
 
 
 def install(world: int, bus_gbps: float = DEFAULT_BUS_GBPS, latency_us: float | None = None,
-            cycles_per_s: float | None = None, machine_size: int | None = None, net_gbps: float = DEFAULT_NET_GBPS) -> Sim:
+            cycles_per_s: float | None = None, machine_size: int | None = None,
+            net_gbps: float = DEFAULT_NET_GBPS) -> Sim:
     """Makes this process rank 0 of a simulated world: init_process_group (whatever backend it asks
     for) joins the "sim" backend, c10d's collectives are timed, Linnet's device check is off."""
     if _installed:

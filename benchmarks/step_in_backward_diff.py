@@ -31,6 +31,6 @@ for case in args.cases.split(","):
     print(f"== {case}: losses after {losses_after}, within {losses_within}", flush=True)
     for index, (within, after) in enumerate(zip(parts_within, parts_after)):
         distance = float((within - after).norm() / after.norm())
-        print(f"  part {index} {tuple(after.shape)}: {distance:.3e} of its norm, {int((within != after).sum())} elements differ",
-              flush=True)
+        print(f"  part {index} {tuple(after.shape)}: {distance:.3e} of its norm, "
+              f"{int((within != after).sum())} elements differ", flush=True)
 dist.destroy_process_group()

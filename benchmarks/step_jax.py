@@ -29,9 +29,10 @@ parser.add_argument("--card", default="llama-3.2-1b")
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--tokens", type=int, default=4096)
 parser.add_argument("--no-remat", dest="remat", action="store_false")
-parser.add_argument("--scan", action="store_true", help="run the layers by lax.scan over one stacked array (train's scan_layers)")
-parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
-                    "of one document a row")
+parser.add_argument("--scan", action="store_true",
+                    help="run the layers by lax.scan over one stacked array (train's scan_layers)")
+parser.add_argument("--packed", action="store_true",
+                    help="rows of several documents (chat fine-tuning's lengths) instead of one document a row")
 parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (jax.profiler, with a Perfetto "
                     "trace: FOLDER/perfetto_trace.json.gz, which benchmarks/trace_gaps.py reads)")
 parser.add_argument("--init", help="start from this Hugging Face checkpoint folder (benchmarks/shared_start.py)")
@@ -41,7 +42,8 @@ args = parser.parse_args()
 
 start = time.perf_counter()
 model = nest.load(args.card, backend="jax_source", entry="loss_packed", numerics="fast",
-                  generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"}, cast_dtype=True, weights=args.init or "random")
+                  generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"}, cast_dtype=True,
+                  weights=args.init or "random")
 print(f"loaded in {time.perf_counter() - start:.1f} s", flush=True)
 mesh = Mesh(np.array(jax.devices()), ("data",))
 count, seq = parameters(model), args.tokens
@@ -65,8 +67,9 @@ if args.profile:
 loss_end = evaluate(model, held_out) if held_out else None
 step = statistics.median(s.seconds for s in history.steps[3:])
 peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices())
-result = dict(card=args.card, devices=mesh.size, remat=args.remat, scan=args.scan, packed=args.packed, params=count, step_s=round(step, 4),
-              tok_s=round(mesh.size * seq / step), tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
+result = dict(card=args.card, devices=mesh.size, remat=args.remat, scan=args.scan, packed=args.packed, params=count,
+              step_s=round(step, 4), tok_s=round(mesh.size * seq / step),
+              tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(peak / 2**30, 2), first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]],
               setup_s=round(time.perf_counter() - start, 1), losses=[round(s.loss, 4) for s in history.steps],
               loss_start=loss_start, loss_end=loss_end)

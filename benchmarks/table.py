@@ -43,8 +43,8 @@ class System:
 
 SHARED = ("--init", "{start}/init", "--rows", "{start}/rows.npz", "--held-out", "{start}/held_out.npz")
 SYSTEMS = (
-    System("Linnet, PyTorch", "linnet-torch", ("benchmarks/step.py", "--card", "{card}", "--steps", "{steps}"), "torchrun",
-           saving=("--recompute", "full")),
+    System("Linnet, PyTorch", "linnet-torch", ("benchmarks/step.py", "--card", "{card}", "--steps", "{steps}"),
+           "torchrun", saving=("--recompute", "full")),
     System("Linnet, JAX, --no-remat", "linnet-jax-no-remat",
            ("benchmarks/step_jax.py", "--card", "{card}", "--steps", "{steps}", "--no-remat"), "python",
            simulated=False, env=(("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),)),
@@ -57,8 +57,9 @@ SYSTEMS = (
            saving=("--ac",)),
     System("TRL, FSDP2", "trl-fsdp2", ("benchmarks/peers/trl_sft.py", "--shape", "{shape}", "--steps", "{steps}"),
            "accelerate", saving=("--ac",), simulated=False),
-    System("plain compiled ceiling", "ceiling", ("benchmarks/peers/plain_ceiling.py", "--shape", "{shape}", "--steps", "{steps}"),
-           "python", saving=("--ac",), shared=False),
+    System("plain compiled ceiling", "ceiling",
+           ("benchmarks/peers/plain_ceiling.py", "--shape", "{shape}", "--steps", "{steps}"), "python",
+           saving=("--ac",), shared=False),
 )
 
 
@@ -95,17 +96,19 @@ def run(system: System, shape: str, args, start: Path) -> dict:
             except subprocess.TimeoutExpired:
                 status = "timeout"
         text = log.read_text(errors="replace")
-        result = next((json.loads(line[7:]) for line in reversed(text.splitlines()) if line.startswith("RESULT ")), None)
+        result = next((json.loads(line[7:]) for line in reversed(text.splitlines()) if line.startswith("RESULT ")),
+                      None)
         if result is not None or "OutOfMemoryError" not in text and "out of memory" not in text.lower():
             break
     return dict(system=system.name, key=system.key, shape=shape, date=datetime.date.today().isoformat(), command=argv,
-                status=status, saving=saving, result=result, log=str(log.relative_to(args.out)), error=None if result else text[-2000:])
+                status=status, saving=saving, result=result, log=str(log.relative_to(args.out)),
+                error=None if result else text[-2000:])
 
 
 def machine() -> dict:
     try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
-                             timeout=30).stdout.strip().splitlines()
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
     except (OSError, subprocess.TimeoutExpired):
         gpu = []
     from importlib import metadata
@@ -142,7 +145,8 @@ def render(out: Path) -> tuple[str, Path | None]:
     for r in runs:  # a run that does not say when it ran ran with the machine's file
         r.setdefault("date", about.get("date", "?"))
     dates = sorted({r["date"] for r in runs}) or [about.get("date", "?")]
-    lines = [f"Measured {' to '.join(dict.fromkeys((dates[0], dates[-1])))} on {', '.join(about.get('gpus', [])) or '?'} "
+    lines = [f"Measured {' to '.join(dict.fromkeys((dates[0], dates[-1])))} "
+             f"on {', '.join(about.get('gpus', [])) or '?'} "
              f"({', '.join(f'{p} {v}' for p in VERSIONED if (v := about.get(p)))}){about.get('setting', '')}.", ""]
     order = {s.key: i for i, s in enumerate(SYSTEMS)}
     for shape in sorted({r["shape"] for r in runs}, key=list(CARDS).index):
@@ -153,12 +157,14 @@ def render(out: Path) -> tuple[str, Path | None]:
             name = r["system"] + (" (memory-saving option)" if r["saving"] else "")
             res = r["result"]
             if res is None:
-                why = "out of memory" if "out of memory" in (r.get("error") or "").lower() else f"failed ({r['status']})"
+                why = ("out of memory" if "out of memory" in (r.get("error") or "").lower()
+                       else f"failed ({r['status']})")
                 lines.append(f"| {name} | {why}: see {r['log']} | | | |")
                 continue
             held = (f"{res['loss_start']:.3f} to {res['loss_end']:.3f}" if res.get("loss_start") is not None
                     and res.get("loss_end") is not None else "")
-            lines.append(f"| {name} | {res['step_s']:.3f} s | {res['tok_s'] / 1000:.1f}K | {res['peak_gib']:.1f} GiB | {held} |")
+            lines.append(f"| {name} | {res['step_s']:.3f} s | {res['tok_s'] / 1000:.1f}K | {res['peak_gib']:.1f} GiB "
+                         f"| {held} |")
         lines.append("")
     markdown = "\n".join(lines) + "\n" + NOTES
     (out / "table.md").write_text(markdown)
@@ -198,7 +204,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="the folder of this run's results")
     parser.add_argument("--render", type=Path, metavar="OUT", help="only render OUT's table and plot again")
     parser.add_argument("--shapes", default="1b,3b,8b")
-    parser.add_argument("--systems", default=",".join(s.key for s in SYSTEMS), help="of: " + ", ".join(s.key for s in SYSTEMS))
+    parser.add_argument("--systems", default=",".join(s.key for s in SYSTEMS),
+                        help="of: " + ", ".join(s.key for s in SYSTEMS))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--gpus", type=int, default=None, help="processes a run (default: every visible GPU)")
     parser.add_argument("--sim", type=int, default=None, help="one GPU's share of this many ranks (sim_world.py)")
@@ -216,8 +223,9 @@ def main() -> None:
     world = args.sim or args.gpus
     chosen = [s for s in SYSTEMS if s.key in args.systems.split(",") and (s.simulated or not args.sim)]
     about = machine()
-    about["setting"] = (f", one GPU's share of {args.sim} ranks at {args.bus_gbps} GB/s" if args.sim
-                        else f", {args.gpus} GPU{'s' if args.gpus > 1 else ''}") + f", {args.steps} steps of one 4096-token row a GPU"
+    about["setting"] = ((f", one GPU's share of {args.sim} ranks at {args.bus_gbps} GB/s" if args.sim
+                         else f", {args.gpus} GPU{'s' if args.gpus > 1 else ''}")
+                        + f", {args.steps} steps of one 4096-token row a GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "machine.json").write_text(json.dumps(about, indent=1))
     for shape in args.shapes.split(","):
@@ -230,7 +238,8 @@ def main() -> None:
         for system in chosen:
             record = run(system, shape, args, start)
             (args.out / shape / f"{system.key}.json").write_text(json.dumps(record, indent=1))
-            print(f"{shape} {system.name}: " + (json.dumps({k: record['result'].get(k) for k in ('step_s', 'tok_s', 'peak_gib', 'loss_start', 'loss_end')})
+            shown = ('step_s', 'tok_s', 'peak_gib', 'loss_start', 'loss_end')
+            print(f"{shape} {system.name}: " + (json.dumps({k: record['result'].get(k) for k in shown})
                                                  if record["result"] else f"failed ({record['status']})"), flush=True)
     print(render(args.out)[0])
 

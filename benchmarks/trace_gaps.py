@@ -59,7 +59,8 @@ def main():
     span = window[1] - window[0]
     print(f"traced window {span / 1e3:.1f} ms, {len(found)} kernels")
     for stream, es in sorted(streams.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
-        print(f"  stream {stream}: {len(es)} kernels, busy {busy([(e['ts'], e['ts'] + e['dur']) for e in es]) / 1e3:.1f} ms")
+        print(f"  stream {stream}: {len(es)} kernels, "
+              f"busy {busy([(e['ts'], e['ts'] + e['dur']) for e in es]) / 1e3:.1f} ms")
     compute = max(streams, key=lambda s: len(streams[s]))  # the most kernels: a sleep is one long kernel
     es = streams[compute]
     others = [(e["ts"], e["ts"] + e["dur"]) for s, x in streams.items() if s != compute for e in x]

@@ -5,7 +5,8 @@ pre-packed 4096-token rows (rank r of W trains on rows r, r + W, ...; one row a 
 same held-out rows. benchmarks/peers/TRL.md says how it is set up and what differs from TRL's example.
 
     bash benchmarks/trl.sh run 4 --init START/init --rows START/rows.npz --held-out START/held_out.npz --steps 30
-    # = accelerate launch --config_file benchmarks/peers/trl_fsdp2.yaml --num_processes 4 benchmarks/peers/trl_sft.py ...
+    # = accelerate launch --config_file benchmarks/peers/trl_fsdp2.yaml --num_processes 4 \\
+    #       benchmarks/peers/trl_sft.py ...
 
     python benchmarks/peers/trl_sft.py --init ... --rows ... --steps 5      # one process, no FSDP (CPU too)
 
@@ -43,8 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--held-out", help=".npz of rows for the held-out loss before the first step and after the last")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--ac", action="store_true", help="gradient checkpointing (SFTConfig.gradient_checkpointing, TRL's default)")
-    p.add_argument("--compile", action="store_true", help="SFTConfig.torch_compile: accelerate compiles the prepared model")
+    p.add_argument("--ac", action="store_true",
+                   help="gradient checkpointing (SFTConfig.gradient_checkpointing, TRL's default)")
+    p.add_argument("--compile", action="store_true",
+                   help="SFTConfig.torch_compile: accelerate compiles the prepared model")
     p.add_argument("--shape", help="label for the RESULT line (default: hidden size x layers from config.json)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager", "flash_attention_2"],
                    help="attn_implementation (default sdpa, transformers' own; flash-attn is not installed)")
@@ -158,7 +161,8 @@ def placeholder_tokenizer(config):
     if pad is not None and pad not in vocab.values():
         vocab["<pad>"] = int(pad)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    pad_token = "<pad>" if "<pad>" in vocab else "<eos>" if pad is None or pad == eos else "<bos>" if pad == bos else "<unk>"
+    pad_token = ("<pad>" if "<pad>" in vocab else "<eos>" if pad is None or pad == eos
+                 else "<bos>" if pad == bos else "<unk>")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
                                    pad_token=pad_token)
 
@@ -350,7 +354,8 @@ def main(argv=None) -> None:
     (rows_ok,) = all_reduce([float(collator.rows_seen[:steps] == list(range(rank, steps * world, world)))],
                             dist.ReduceOp.MIN if distributed else None)
     if rows_ok != 1.0 and rank == 0:
-        print(f"WARNING: rank 0 trained on rows {collator.rows_seen[:steps]}, not {rank}, {rank} + {world}, ...", flush=True)
+        print(f"WARNING: rank 0 trained on rows {collator.rows_seen[:steps]}, not {rank}, {rank} + {world}, ...",
+              flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     (peak,) = all_reduce([peak], dist.ReduceOp.MAX if distributed else None)
     begin_end = [e - b for b, e in zip(measure.begin, measure.ends)]
