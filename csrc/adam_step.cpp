@@ -80,12 +80,34 @@ void adam_step_(
   const at::Tensor grad = gradient.to(param.scalar_type()).contiguous();
   if (decoupled) {
     at::_fused_adamw_(
-        {param}, {grad}, {exp_avg}, {exp_avg_sq}, {}, {step}, lr, beta1, beta2, weight_decay, eps,
-        /*amsgrad=*/false, /*maximize=*/false);
+        {param},
+        {grad},
+        {exp_avg},
+        {exp_avg_sq},
+        {},
+        {step},
+        lr,
+        beta1,
+        beta2,
+        weight_decay,
+        eps,
+        /*amsgrad=*/false,
+        /*maximize=*/false);
   } else {
     at::_fused_adam_(
-        {param}, {grad}, {exp_avg}, {exp_avg_sq}, {}, {step}, lr, beta1, beta2, weight_decay, eps,
-        /*amsgrad=*/false, /*maximize=*/false);
+        {param},
+        {grad},
+        {exp_avg},
+        {exp_avg_sq},
+        {},
+        {step},
+        lr,
+        beta1,
+        beta2,
+        weight_decay,
+        eps,
+        /*amsgrad=*/false,
+        /*maximize=*/false);
   }
   if (copy_dtype) {
     keep_stepped_cast(param, param.to(*copy_dtype, /*non_blocking=*/false, /*copy=*/true));

@@ -24,8 +24,14 @@ std::tuple<at::Tensor, at::Tensor> call_all_gather(
     int64_t group_size,
     const std::string& group_name) {
   static auto handle = op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, at::ScalarType, int64_t, std::string, std::string, std::optional<at::ScalarType>,
-      std::string, int64_t)>("linnet::all_gather");
+      const at::Tensor&,
+      at::ScalarType,
+      int64_t,
+      std::string,
+      std::string,
+      std::optional<at::ScalarType>,
+      std::string,
+      int64_t)>("linnet::all_gather");
   return handle.call(part, dtype, group_size, group_name, "sum", std::nullopt, "", 1);
 }
 
@@ -94,11 +100,7 @@ at::Tensor launch_reduction(AutogradContext* ctx, const at::Tensor& grad) {
 
 class Flatten : public torch::autograd::Function<Flatten> {
  public:
-  static at::Tensor forward(
-      AutogradContext* ctx,
-      at::TensorList tensors,
-      at::IntArrayRef offsets,
-      int64_t total) {
+  static at::Tensor forward(AutogradContext* ctx, at::TensorList tensors, at::IntArrayRef offsets, int64_t total) {
     std::vector<int64_t> shapes;
     std::vector<int64_t> ndims;
     for (const at::Tensor& tensor : tensors) {
@@ -112,8 +114,7 @@ class Flatten : public torch::autograd::Function<Flatten> {
     ctx->saved_data["shapes"] = shapes;
     ctx->saved_data["ndims"] = ndims;
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto handle =
-        op<at::Tensor(at::TensorList, at::IntArrayRef, int64_t)>("linnet::flatten");
+    static auto handle = op<at::Tensor(at::TensorList, at::IntArrayRef, int64_t)>("linnet::flatten");
     return handle.call(tensors, offsets, total);
   }
 
@@ -145,8 +146,7 @@ class Shard : public torch::autograd::Function<Shard> {
     c10::SymInt part_size = grads[0].sym_numel();
     c10::SymInt start = (part_size * ctx->saved_data["rank"].toInt()).min(numel);
     c10::SymInt count = part_size.min(numel - start);
-    at::Tensor grad = at::constant_pad_nd_symint(
-        grads[0].narrow_symint(0, 0, count), {start, numel - start - count});
+    at::Tensor grad = at::constant_pad_nd_symint(grads[0].narrow_symint(0, 0, count), {start, numel - start - count});
     return {grad, at::Tensor(), at::Tensor()};
   }
 };
@@ -177,8 +177,15 @@ class AllGather : public torch::autograd::Function<AllGather> {
     // (or mean) over ranks, and across the replicas, of the gradient of its slot, in f32.
     at::Tensor grad = wait(launch_reduction(ctx, grads[0]));
     auto part_dtype = static_cast<at::ScalarType>(ctx->saved_data["part_dtype"].toInt());
-    return {grad.to(part_dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return {
+        grad.to(part_dtype),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor()};
   }
 };
 
@@ -204,8 +211,8 @@ class ReduceScatter : public torch::autograd::Function<ReduceScatter> {
     auto full_dtype = static_cast<at::ScalarType>(ctx->saved_data["full_dtype"].toInt());
     // Scaled in f32, before the gather casts to the full tensor's dtype.
     at::Tensor part = ctx->saved_data["avg"].toBool() ? grads[0] / group_size : grads[0];
-    at::Tensor grad = wait(std::get<0>(call_all_gather(
-        part.contiguous(), full_dtype, group_size, ctx->saved_data["group_name"].toStringRef())));
+    at::Tensor grad = wait(std::get<0>(
+        call_all_gather(part.contiguous(), full_dtype, group_size, ctx->saved_data["group_name"].toStringRef())));
     return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -246,10 +253,13 @@ class WaitGathered : public torch::autograd::Function<WaitGathered> {
 // The cast's gradient goes to the sink as it is; the part takes none.
 class CastIntoSink : public torch::autograd::Function<CastIntoSink> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& part, const at::Tensor& sink, at::ScalarType dtype) {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& part,
+      const at::Tensor& sink,
+      at::ScalarType dtype) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto handle =
-        op<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>("linnet::cast_into_sink");
+    static auto handle = op<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>("linnet::cast_into_sink");
     return handle.call(part, sink, dtype);
   }
 
@@ -352,12 +362,21 @@ void adam_step_autograd(
     bool decoupled,
     std::optional<at::ScalarType> copy_dtype) {
   static auto handle = op<void(
-      at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
-      double, double, bool, std::optional<at::ScalarType>)>("linnet::adam_step_");
+      at::Tensor&,
+      at::Tensor&,
+      at::Tensor&,
+      at::Tensor&,
+      const at::Tensor&,
+      const at::Tensor&,
+      double,
+      double,
+      double,
+      double,
+      bool,
+      std::optional<at::ScalarType>)>("linnet::adam_step_");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    handle.call(
-        param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled, copy_dtype);
+    handle.call(param, exp_avg, exp_avg_sq, step, gradient, lr, beta1, beta2, weight_decay, eps, decoupled, copy_dtype);
   }
   for (at::Tensor* changed : {&param, &exp_avg, &exp_avg_sq, &step}) {
     torch::autograd::increment_version(*changed);
@@ -412,11 +431,9 @@ TORCH_LIBRARY_IMPL(linnet, Autograd, m) {
         }
         return linnet::ReduceScatter::apply(full, reduce_op, reduce_dtype, group_size, group_name);
       });
-  m.impl(
-      "after",
-      [](const at::Tensor& x, at::TensorList forward_deps, at::TensorList backward_deps) {
-        return linnet::After::apply(x, forward_deps, backward_deps);
-      });
+  m.impl("after", [](const at::Tensor& x, at::TensorList forward_deps, at::TensorList backward_deps) {
+    return linnet::After::apply(x, forward_deps, backward_deps);
+  });
   m.impl("wait", [](const at::Tensor& tensor) { return linnet::Wait::apply(tensor); });
   m.impl("cast_into_sink", [](const at::Tensor& part, const at::Tensor& sink, at::ScalarType dtype) {
     return linnet::CastIntoSink::apply(part, sink, dtype);

@@ -67,8 +67,7 @@ at::Tensor flatten(at::TensorList tensors, at::IntArrayRef offsets, int64_t tota
 at::Tensor shard(const at::Tensor& flat, int64_t rank, int64_t world, CopyCastPad copy) {
   TORCH_CHECK(flat.dim() == 1, "shard: expected a 1-D flat buffer, got shape ", flat.sizes());
   TORCH_CHECK(world >= 1, "shard: expected world >= 1, got ", world);
-  TORCH_CHECK(
-      0 <= rank && rank < world, "shard: expected 0 <= rank < world = ", world, ", got rank ", rank);
+  TORCH_CHECK(0 <= rank && rank < world, "shard: expected 0 <= rank < world = ", world, ", got rank ", rank);
   check_floating(flat, "shard", "a flat buffer");
   int64_t numel = flat.numel();
   int64_t part_size = (numel + world - 1) / world;

@@ -20,23 +20,19 @@ using GroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 // tensors' device. Called directly rather than through ProcessGroup's
 // methods, whose names change across the torch versions we build against.
 WorkPtr allgather_base(at::Tensor& output, at::Tensor& input, const GroupPtr& group) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("c10d::_allgather_base_", "")
-                       .typed<std::tuple<at::Tensor, WorkPtr>(
-                           at::Tensor&, at::Tensor&, const GroupPtr&, bool, int64_t)>();
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("c10d::_allgather_base_", "")
+          .typed<std::tuple<at::Tensor, WorkPtr>(at::Tensor&, at::Tensor&, const GroupPtr&, bool, int64_t)>();
   return std::get<1>(op.call(output, input, group, /*async_op=*/true, /*timeout=*/-1));
 }
 
 WorkPtr reduce_scatter_sum(at::Tensor& output, at::Tensor& input, const GroupPtr& group) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("c10d::_reduce_scatter_base_", "")
-                       .typed<std::tuple<at::Tensor, WorkPtr>(
-                           at::Tensor&,
-                           at::Tensor&,
-                           const GroupPtr&,
-                           const c10::intrusive_ptr<c10d::ReduceOp>&,
-                           bool,
-                           int64_t)>();
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("c10d::_reduce_scatter_base_", "")
+          .typed<std::tuple<at::Tensor, WorkPtr>(
+              at::Tensor&, at::Tensor&, const GroupPtr&, const c10::intrusive_ptr<c10d::ReduceOp>&, bool, int64_t)>();
   auto sum = c10::make_intrusive<c10d::ReduceOp>(c10d::ReduceOp::SUM);
   return std::get<1>(op.call(output, input, group, sum, /*async_op=*/true, /*timeout=*/-1));
 }
@@ -131,9 +127,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather(
   TORCH_CHECK(group_size >= 1, "all_gather: expected group_size >= 1, got ", group_size);
   check_floating(part, "all_gather", "a part");
   TORCH_CHECK(
-      at::isFloatingType(dtype),
-      "all_gather: expected a floating output dtype (such as bfloat16), got ",
-      dtype);
+      at::isFloatingType(dtype), "all_gather: expected a floating output dtype (such as bfloat16), got ", dtype);
   int64_t part_size = part.numel();
   at::Tensor output = at::empty({part_size * group_size}, part.options().dtype(dtype));
   at::Tensor token = at::empty({0}, part.options());

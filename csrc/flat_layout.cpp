@@ -25,12 +25,10 @@ int64_t round_up(int64_t value, int64_t multiple) {
 
 FlatLayout flat_layout(const std::vector<int64_t>& numels, int64_t align, int64_t world) {
   if (align < 1) {
-    throw std::invalid_argument(
-        "flat_layout: align must be at least 1 element, got " + std::to_string(align));
+    throw std::invalid_argument("flat_layout: align must be at least 1 element, got " + std::to_string(align));
   }
   if (world < 1) {
-    throw std::invalid_argument(
-        "flat_layout: world must be at least 1, got " + std::to_string(world));
+    throw std::invalid_argument("flat_layout: world must be at least 1, got " + std::to_string(world));
   }
   if (align > kMax / world) {
     throw std::invalid_argument("flat_layout: align * world overflows int64");

@@ -2,9 +2,9 @@
 // every device: the views of a gathered buffer. Importing the module
 // linnet._C (csrc/module.cpp) registers them all.
 #include <ATen/ATen.h>
-#include <algorithm>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
+#include <algorithm>
 
 #include "ops.h"
 
@@ -71,11 +71,7 @@ std::vector<at::Tensor> group_views(
     end = offsets[i] + numel;
   }
   TORCH_CHECK(
-      dim == shapes.size(),
-      "group_views: expected sum(ndims) == len(shapes), got ",
-      dim,
-      " and ",
-      shapes.size());
+      dim == shapes.size(), "group_views: expected sum(ndims) == len(shapes), got ", dim, " and ", shapes.size());
   pieces.push_back(total - end);
   std::vector<at::Tensor> split = flat.split_with_sizes_symint(pieces);
   std::vector<at::Tensor> views;
@@ -94,8 +90,7 @@ TORCH_LIBRARY(linnet, m) {
   // Fake (meta) kernels live in Python; torch imports this module to find them.
   m.set_python_module("linnet.torch.ops");
   const std::vector<at::Tag> tags = {at::Tag::pt2_compliant_tag};
-  const std::vector<at::Tag> collective_tags = {
-      at::Tag::pt2_compliant_tag, at::Tag::needs_contiguous_strides};
+  const std::vector<at::Tag> collective_tags = {at::Tag::pt2_compliant_tag, at::Tag::needs_contiguous_strides};
   m.def("flatten(Tensor[] tensors, int[] offsets, int total) -> Tensor", tags);
   m.def("shard(Tensor flat, int rank, int world) -> Tensor", tags);
   m.def(

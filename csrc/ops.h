@@ -166,9 +166,7 @@ void register_kernels(torch::Library& m) {
   m.impl("flatten", [](at::TensorList tensors, at::IntArrayRef offsets, int64_t total) {
     return flatten(tensors, offsets, total, copy);
   });
-  m.impl("shard", [](const at::Tensor& flat, int64_t rank, int64_t world) {
-    return shard(flat, rank, world, copy);
-  });
+  m.impl("shard", [](const at::Tensor& flat, int64_t rank, int64_t world) { return shard(flat, rank, world, copy); });
   m.impl(
       "all_gather",
       [](const at::Tensor& part,

@@ -36,7 +36,7 @@ struct Kept {
   std::vector<int64_t> sizes;
   std::vector<int64_t> strides;
   at::ScalarType dtype;  // the part's
-  uint32_t version;  // once confirmed: the part's version after its step counted it
+  uint32_t version;      // once confirmed: the part's version after its step counted it
   bool confirmed;
   at::Tensor cast;
 };

@@ -26,7 +26,7 @@ constexpr int kThreads = 256;
 constexpr int kWidth = 4;  // elements a thread takes at a time: 16 bytes of each f32 tensor
 
 struct Settings {
-  const float* step;  // the count, already counted up
+  const float* step;          // the count, already counted up
   const float* lr_on_device;  // null where the rate came from the host
   float lr;
   float beta1;
@@ -110,8 +110,7 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(
   using Copies = Vector<Copy, kWidth>;
   const int64_t chunks = n / kWidth;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; chunk < chunks;
-       chunk += stride) {
+  for (int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; chunk < chunks; chunk += stride) {
     Floats p = reinterpret_cast<const Floats*>(param)[chunk];
     Floats m = reinterpret_cast<const Floats*>(exp_avg)[chunk];
     Floats v = reinterpret_cast<const Floats*>(exp_avg_sq)[chunk];
@@ -136,8 +135,13 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(
 }
 
 template <typename Grad, typename Copy, bool kDecoupled>
-void launch(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& grad,
-            Copy* copy, const Settings& settings) {
+void launch(
+    at::Tensor& param,
+    at::Tensor& exp_avg,
+    at::Tensor& exp_avg_sq,
+    const at::Tensor& grad,
+    Copy* copy,
+    const Settings& settings) {
   float* p = param.mutable_data_ptr<float>();
   float* m = exp_avg.mutable_data_ptr<float>();
   float* v = exp_avg_sq.mutable_data_ptr<float>();
@@ -154,8 +158,8 @@ void launch(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, cons
   const int64_t resident =
       static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * std::max(per_sm, 1);
   const int64_t blocks = std::min((threads_wanted + kThreads - 1) / kThreads, resident);
-  adam_kernel<Grad, Copy, kDecoupled><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      p, m, v, g, copy, n, settings, vectorised);
+  adam_kernel<Grad, Copy, kDecoupled>
+      <<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, m, v, g, copy, n, settings, vectorised);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -186,8 +190,14 @@ void adam_step_cuda(
   }
   const at::Tensor grad = gradient.contiguous();
   at::Tensor lr_on_device;
-  Settings settings{step.const_data_ptr<float>(), nullptr, 0.0f, static_cast<float>(beta1),
-                    static_cast<float>(beta2), static_cast<float>(weight_decay), static_cast<float>(eps)};
+  Settings settings{
+      step.const_data_ptr<float>(),
+      nullptr,
+      0.0f,
+      static_cast<float>(beta1),
+      static_cast<float>(beta2),
+      static_cast<float>(weight_decay),
+      static_cast<float>(eps)};
   if (lr.is_cpu()) {
     settings.lr = static_cast<float>(lr.item<double>());  // as ATen reads a host rate: a double, then f32
   } else {

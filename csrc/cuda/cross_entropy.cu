@@ -148,8 +148,12 @@ at::Tensor softmax_cross_entropy_cuda(at::Tensor& logits, const at::Tensor& targ
     scalar_t* data = logits.mutable_data_ptr<scalar_t>();
     const bool vectorised = vocabulary % N == 0 && aligned(data, sizeof(scalar_t) * N);
     softmax_cross_entropy_kernel<scalar_t, N><<<rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        data, vocabulary, target_ids.const_data_ptr<int64_t>(), row_scale.const_data_ptr<float>(),
-        losses.mutable_data_ptr<float>(), vectorised);
+        data,
+        vocabulary,
+        target_ids.const_data_ptr<int64_t>(),
+        row_scale.const_data_ptr<float>(),
+        losses.mutable_data_ptr<float>(),
+        vectorised);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return losses;

@@ -16,8 +16,7 @@ namespace {
 
 // The arithmetic type of a cast: double if either side is double, else float.
 template <typename Src, typename Dst>
-using Math =
-    std::conditional_t<std::is_same_v<Src, double> || std::is_same_v<Dst, double>, double, float>;
+using Math = std::conditional_t<std::is_same_v<Src, double> || std::is_same_v<Dst, double>, double, float>;
 
 template <typename Src, typename Dst>
 __device__ __forceinline__ Dst cast(Src value, Math<Src, Dst> scale) {
@@ -36,8 +35,7 @@ __global__ void copy_cast_pad_kernel(
     Math<Src, Dst> scale) {
   int64_t chunks = (dst_numel + N - 1) / N;
   int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; chunk < chunks;
-       chunk += stride) {
+  for (int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; chunk < chunks; chunk += stride) {
     int64_t begin = chunk * N;
     if (begin + N <= src_numel) {
       auto in = reinterpret_cast<const Vector<Src, N>*>(src)[chunk];
@@ -68,8 +66,7 @@ void launch(const Src* src, int64_t src_numel, Dst* dst, int64_t dst_numel, doub
   constexpr int kThreads = 256;
   int64_t chunks = (dst_numel + N - 1) / N;
   // Enough blocks to fill the device a few times over; the kernel strides.
-  int64_t max_blocks = 4LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount *
-      (2048 / kThreads);
+  int64_t max_blocks = 4LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount * (2048 / kThreads);
   int64_t blocks = std::min((chunks + kThreads - 1) / kThreads, max_blocks);
   copy_cast_pad_kernel<Src, Dst, N><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       src, src_numel, dst, dst_numel, static_cast<Math<Src, Dst>>(scale));
@@ -89,24 +86,22 @@ void copy_cast_pad_cuda(const at::Tensor& src_tensor, const at::Tensor& dst, dou
   }
   const at::cuda::OptionalCUDAGuard device_guard(dst.device());
   at::Tensor src = src_tensor.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, src.scalar_type(), "copy_cast_pad", [&] {
-        using Src = scalar_t;
-        AT_DISPATCH_FLOATING_TYPES_AND2(
-            at::kBFloat16, at::kHalf, dst.scalar_type(), "copy_cast_pad", [&] {
-              using Dst = scalar_t;
-              // Each access of the narrower side is 16 bytes (the wider side
-              // takes two), where both pointers allow it.
-              constexpr int N = 16 / std::min(sizeof(Src), sizeof(Dst));
-              const Src* src_data = src.const_data_ptr<Src>();
-              Dst* dst_data = dst.mutable_data_ptr<Dst>();
-              if (aligned(src_data, sizeof(Src) * N) && aligned(dst_data, sizeof(Dst) * N)) {
-                launch<Src, Dst, N>(src_data, src.numel(), dst_data, dst.numel(), scale);
-              } else {
-                launch<Src, Dst, 1>(src_data, src.numel(), dst_data, dst.numel(), scale);
-              }
-            });
-      });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "copy_cast_pad", [&] {
+    using Src = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "copy_cast_pad", [&] {
+      using Dst = scalar_t;
+      // Each access of the narrower side is 16 bytes (the wider side
+      // takes two), where both pointers allow it.
+      constexpr int N = 16 / std::min(sizeof(Src), sizeof(Dst));
+      const Src* src_data = src.const_data_ptr<Src>();
+      Dst* dst_data = dst.mutable_data_ptr<Dst>();
+      if (aligned(src_data, sizeof(Src) * N) && aligned(dst_data, sizeof(Dst) * N)) {
+        launch<Src, Dst, N>(src_data, src.numel(), dst_data, dst.numel(), scale);
+      } else {
+        launch<Src, Dst, 1>(src_data, src.numel(), dst_data, dst.numel(), scale);
+      }
+    });
+  });
 }
 
 }  // namespace

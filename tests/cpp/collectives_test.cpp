@@ -84,7 +84,10 @@ std::vector<c10::IValue> call(const std::string& name, std::vector<c10::IValue> 
 
 // (gathered, token); gathered is valid once waited.
 std::pair<at::Tensor, at::Tensor> all_gather(
-    const at::Tensor& part, at::ScalarType dtype, int64_t group_size, const std::string& group_name = kGroup) {
+    const at::Tensor& part,
+    at::ScalarType dtype,
+    int64_t group_size,
+    const std::string& group_name = kGroup) {
   std::vector<c10::IValue> outputs = call("all_gather", {part, dtype, group_size, group_name});
   return {outputs[0].toTensor(), outputs[1].toTensor()};
 }
@@ -134,8 +137,8 @@ testing::AssertionResult Same(const at::Tensor& actual, const at::Tensor& expect
     return testing::AssertionSuccess();
   }
   int64_t where = at::ne(actual, expected).to(at::kByte).argmax().item<int64_t>();
-  return testing::AssertionFailure() << "element " << where << " is " << actual[where].item<double>()
-                                     << ", expected " << expected[where].item<double>();
+  return testing::AssertionFailure() << "element " << where << " is " << actual[where].item<double>() << ", expected "
+                                     << expected[where].item<double>();
 }
 
 // |actual - expected| <= bound at every element (expected and bound in f64).
@@ -146,9 +149,8 @@ testing::AssertionResult Within(const at::Tensor& actual, const at::Tensor& expe
     return testing::AssertionSuccess();
   }
   int64_t where = over.to(at::kByte).argmax().item<int64_t>();
-  return testing::AssertionFailure() << "element " << where << " is " << actual[where].item<double>()
-                                     << ", expected " << expected[where].item<double>() << " within "
-                                     << bound[where].item<double>();
+  return testing::AssertionFailure() << "element " << where << " is " << actual[where].item<double>() << ", expected "
+                                     << expected[where].item<double>() << " within " << bound[where].item<double>();
 }
 
 // Whether fn throws a c10::Error whose message holds `expected`.
@@ -249,8 +251,8 @@ TEST_P(Collectives, APaddedGroupGathersAndReduceScattersThroughItsParts) {
   at::Tensor grad_sum = at::zeros({layout.total}, at::kDouble);
   at::Tensor grad_magnitude = at::zeros({layout.total}, at::kDouble);
   for (int rank = 0; rank < world; ++rank) {
-    grads.push_back(reference_flat({random(7, 60 + rank), random(10, 70 + rank), random(3, 80 + rank)},
-                                   layout.offsets, layout.total));
+    grads.push_back(reference_flat(
+        {random(7, 60 + rank), random(10, 70 + rank), random(3, 80 + rank)}, layout.offsets, layout.total));
     grad_sum += grads.back().to(at::kDouble);
     grad_magnitude += grads.back().to(at::kDouble).abs();
   }
@@ -265,8 +267,10 @@ TEST_P(Collectives, APaddedGroupGathersAndReduceScattersThroughItsParts) {
 
     at::Tensor grad = wait(reduce_scatter(grads[rank], "avg", at::kFloat, world));
     const int64_t start = rank * layout.part_size;
-    EXPECT_TRUE(Within(grad, grad_sum.narrow(0, start, layout.part_size) / world,
-                       (world + 2) * epsilon(at::kFloat) * grad_magnitude.narrow(0, start, layout.part_size) / world));
+    EXPECT_TRUE(Within(
+        grad,
+        grad_sum.narrow(0, start, layout.part_size) / world,
+        (world + 2) * epsilon(at::kFloat) * grad_magnitude.narrow(0, start, layout.part_size) / world));
     // The padding in this part (if any): zeros summed, exactly zero.
     const int64_t padding_start = std::clamp(end - start, int64_t{0}, layout.part_size);
     at::Tensor padding = grad.narrow(0, padding_start, layout.part_size - padding_start);
@@ -284,13 +288,16 @@ TEST_P(Collectives, APaddedGroupGathersAndReduceScattersThroughItsParts) {
 TEST_P(Collectives, RejectWhatDoesNotFitTheGroup) {
   const int world = GetParam();
   run_ranks(world, [&](int) {
-    EXPECT_TRUE(Throws([&] { all_gather(at::ones({4}), at::kBFloat16, world + 1); },
-                       "group_size is " + std::to_string(world + 1) + " but the process group '" + kGroup +
-                           "' has " + std::to_string(world) + " ranks"));
-    EXPECT_TRUE(Throws([&] { reduce_scatter(at::ones({2 * world + 1}), "sum", at::kFloat, world); },
-                       "expected a numel divisible by group_size = " + std::to_string(world)));
-    EXPECT_TRUE(Throws([&] { reduce_scatter(at::ones({2 * world}), "max", at::kFloat, world); },
-                       "reduce_op must be \"sum\" or \"avg\", got \"max\""));
+    EXPECT_TRUE(Throws(
+        [&] { all_gather(at::ones({4}), at::kBFloat16, world + 1); },
+        "group_size is " + std::to_string(world + 1) + " but the process group '" + kGroup + "' has " +
+            std::to_string(world) + " ranks"));
+    EXPECT_TRUE(Throws(
+        [&] { reduce_scatter(at::ones({2 * world + 1}), "sum", at::kFloat, world); },
+        "expected a numel divisible by group_size = " + std::to_string(world)));
+    EXPECT_TRUE(Throws(
+        [&] { reduce_scatter(at::ones({2 * world}), "max", at::kFloat, world); },
+        "reduce_op must be \"sum\" or \"avg\", got \"max\""));
   });
 }
 

@@ -12,8 +12,8 @@
 
 namespace {
 
-using linnet::FlatLayout;
 using linnet::flat_layout;
+using linnet::FlatLayout;
 
 TEST(FlatLayout, PadsEachTensorToTheAlignmentAndTheTotalToTheWorld) {
   FlatLayout layout = flat_layout({3, 17, 0, 5}, 16, 3);
