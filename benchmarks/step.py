@@ -19,7 +19,7 @@ from common import flops_per_token, load_rows, parameters, random_rows
 
 from linnet import nest
 from linnet.emit import prims_torch
-from linnet.torch import fully_shard, shard
+from linnet.torch import collectives, fully_shard
 from linnet.torch.train import evaluate, train
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,8 +36,9 @@ parser.add_argument("--step-after", action="store_true", help="the optimizer ste
                     "gradient at once (train(step_in_backward=False)); by default each part steps in the backward")
 parser.add_argument("--mesh", metavar="MACHINESxGPUS", help="hybrid sharding over a (replicate, shard) mesh of that "
                     "shape, e.g. 2x4 (default: one flat group)")
-parser.add_argument("--packed", action="store_true", help="rows of several documents (chat fine-tuning's lengths) instead "
-                    "of one each: attention under the document mask rather than causal attention")
+parser.add_argument("--packed", action="store_true",
+                    help="rows of several documents (chat fine-tuning's lengths) instead of one each: attention under "
+                    "the document mask rather than causal attention")
 parser.add_argument("--init", help="start from this Hugging Face checkpoint folder (benchmarks/shared_start.py) "
                     "instead of random weights")
 parser.add_argument("--rows", help="train on this .npz of rows (shared_start.py; rank r takes rows r, r + W, ...) "
@@ -45,10 +46,12 @@ parser.add_argument("--rows", help="train on this .npz of rows (shared_start.py;
 parser.add_argument("--held-out", help="report the held-out loss over this .npz of rows before and after training")
 parser.add_argument("--memory-trace", action="store_true", help="after each step, the memory allocated and the "
                     "collectives c10d still holds un-waited (its work registry): what a step leaves behind")
-parser.add_argument("--profile", metavar="FOLDER", help="trace the last two steps (torch.profiler): FOLDER/trace.json.gz "
-                    "and the compute stream's idle gaps (benchmarks/trace_gaps.py)")
-parser.add_argument("--memory-snapshot", metavar="FILE", help="record the allocator over the last step and write its "
-                    "snapshot (torch.cuda.memory._dump_snapshot); benchmarks/memory_peak.py reads what is live at the peak")
+parser.add_argument("--profile", metavar="FOLDER",
+                    help="trace the last two steps (torch.profiler): FOLDER/trace.json.gz and the compute stream's "
+                    "idle gaps (benchmarks/trace_gaps.py)")
+parser.add_argument("--memory-snapshot", metavar="FILE",
+                    help="record the allocator over the last step and write its snapshot "
+                    "(torch.cuda.memory._dump_snapshot); benchmarks/memory_peak.py reads what is live at the peak")
 parser.add_argument("--compile-times", action="store_true", help="after the run, where the compile's seconds went: "
                     "dynamo's, AOT autograd's and inductor's phases, the longest first (rank 0)")
 parser.add_argument("--loss", default="generated", choices=["generated", "op"], help="the loss: the generated code's "
@@ -57,10 +60,10 @@ parser.add_argument("--loss", default="generated", choices=["generated", "op"], 
 parser.add_argument("--loss-rows", type=int, default=1024, help="with --loss op: the rows of each of its chunks")
 parser.add_argument("--casts-from-step", default="auto", choices=["auto", "always", "never"], help="on one rank, "
                     "whether Adam's step writes each part's cast for the next forward: as fully_shard decides "
-                    "(linnet/torch/shard.py, `_casts_from_the_step`), or forced either way to compare")
+                    "(linnet/torch/collectives.py, `_casts_from_the_step`), or forced either way to compare")
 args = parser.parse_args()
 if args.casts_from_step != "auto":
-    shard._casts_from_the_step = lambda sharding: args.casts_from_step == "always"
+    collectives._casts_from_the_step = lambda sharding: args.casts_from_step == "always"
 if args.loss == "op":  # before the card is loaded: the emitter copies the primitives it finds there
     prims_torch.FAST["cross_entropy"] = functools.partial(prims_torch.cross_entropy_in_one_op, rows=args.loss_rows)
 
@@ -69,24 +72,26 @@ rank, world = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 device = torch.device("cuda", torch.cuda.current_device())
 start = time.perf_counter()
+# every entry: train takes `loss` for one-document rows
 model = nest.load(args.card, backend="torch", device=device, numerics="fast",
                   compile=None if args.no_compile else "inductor",
                   generics={"Batch": 1, "MaxSeq": args.tokens, "T": "bf16"},
-                  cast_dtype=True, trainable=True, weights=args.init or "random")  # every entry: train takes `loss` for one-document rows
+                  cast_dtype=True, trainable=True, weights=args.init or "random")
 mesh = None
 if args.mesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", tuple(int(n) for n in args.mesh.split("x")), mesh_dim_names=("replicate", "shard"))
-fully_shard(model, mesh=mesh, recompute=args.recompute, reshard_after_forward=not args.no_reshard, prefetch=args.prefetch,
-            reduce_dtype=torch.float32 if args.reduce_dtype == "f32" else torch.bfloat16)
+fully_shard(model, mesh=mesh, recompute=args.recompute, reshard_after_forward=not args.no_reshard,
+            prefetch=args.prefetch, reduce_dtype=torch.float32 if args.reduce_dtype == "f32" else torch.bfloat16)
 torch.cuda.synchronize()
 load_s, load_peak = time.perf_counter() - start, torch.cuda.max_memory_allocated()  # nest.load and fully_shard
 optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
 torch.cuda.reset_peak_memory_stats()
 profiler = None
 if args.profile:
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA],
                                       schedule=torch.profiler.schedule(wait=args.steps - 3, warmup=1, active=2))
     profiler.start()
 
@@ -109,7 +114,8 @@ def on_step(s):
 
 held_out = load_rows(args.held_out, rank, world) if args.held_out else None
 loss_start = evaluate(model, held_out) if held_out else None
-rows = load_rows(args.rows, rank, world) if args.rows else random_rows(rank, args.tokens, model.checked.dims["Vocab"], args.packed)
+rows = (load_rows(args.rows, rank, world) if args.rows
+        else random_rows(rank, args.tokens, model.checked.dims["Vocab"], args.packed))
 history = train(model, iter(rows), optimizer=optimizer, steps=args.steps,
                 on_step=on_step, step_in_backward=not args.step_after)
 if profiler is not None:
@@ -131,7 +137,8 @@ result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, r
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-              first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]], setup_s=round(time.perf_counter() - start, 1),
+              first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]],
+              setup_s=round(time.perf_counter() - start, 1),
               load_s=round(load_s, 1), load_peak_gib=round(load_peak / 2**30, 2),
               losses=[round(s.loss, 4) for s in history.steps], loss_start=loss_start, loss_end=loss_end)
 if rank == 0:

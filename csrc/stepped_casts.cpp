@@ -15,7 +15,7 @@
 // is one cast a stepped part, until the part's next cast takes it or the
 // stepping ends (linnet/torch/step_in_backward.py drops its model's); the step
 // in the backward asks for casts only where they cost no memory at the step's
-// peak (linnet/torch/shard.py, `_casts_from_the_step`).
+// peak (linnet/torch/collectives.py, `_casts_from_the_step`).
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>

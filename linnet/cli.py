@@ -38,7 +38,8 @@ def _parser() -> ArgumentParser:
         command.add_argument("--generic", action="append", default=[], metavar="NAME=VALUE",
                              help="bind a generic (default: Batch=1, MaxSeq=4096, T=bf16 for what is not given)")
         command.add_argument("--cast-dtype", action="store_true", help="f32 master weights cast to T where used")
-        command.add_argument("--fully-shard", action="store_true", help="the sharded form: each group gathered where first used")
+        command.add_argument("--fully-shard", action="store_true",
+                             help="the sharded form: each group gathered where first used")
         if backend == "torch":
             command.add_argument("--prefetch", type=at_least(0), default=1, metavar="LAYERS",
                                  help="with --fully-shard: how many layers' gathers run ahead (default 1)")
@@ -62,7 +63,8 @@ def _run(args: argparse.Namespace) -> int:
     checked = card.checked()
     unknown = [entry for entry in args.entry or [] if entry not in checked.program.entries]
     if unknown:
-        raise UserError(f"--entry {unknown[0]}: {card.name} has no such entry; its entries are {', '.join(checked.program.entries)}")
+        raise UserError(f"--entry {unknown[0]}: {card.name} has no such entry; "
+                        f"its entries are {', '.join(checked.program.entries)}")
     generics = _defaults(checked)
     for item in args.generic:
         name, equals, value = item.partition("=")
@@ -83,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
         from linnet.emit.jax_backend import JAX as backend
     sys.stdout.write(emit(checked, backend, card_name=card.name, generics=generics, numerics=args.numerics,
                           cast_dtype=args.cast_dtype, entries=args.entry, sharded=args.fully_shard, schedule=schedule,
-                          layer_region=layer_region))
+                          layer_region=layer_region).source)
     return 0
 
 

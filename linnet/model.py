@@ -14,8 +14,9 @@ from pathlib import Path
 
 from linnet.cardlang.check import Checked
 from linnet.cards import Card
-from linnet.emit.source import Backend, emit
+from linnet.emit.source import Backend, Emitted, emit
 from linnet.cardlang.generics import check_inputs
+from linnet.sharding.schedule import check_bindings
 from linnet.hf.read import (CheckpointWeights, RandomWeights, WeightSpec, check_checkpoint, checkpoint_files, locate,
                             read_tensors, weight_specs)
 
@@ -23,31 +24,37 @@ from linnet.hf.read import (CheckpointWeights, RandomWeights, WeightSpec, check_
 class LoadedModel(ABC):
     backend: Backend
 
-    def __init__(self, card: Card, checked: Checked, *, generics: dict, numerics: str, cast_dtype: bool, entries: list[str]):
+    def __init__(self, card: Card, checked: Checked, *, generics: dict, numerics: str, cast_dtype: bool,
+                 entries: list[str]):
         self.card, self.checked, self.generics = card, checked, generics
         self.numerics, self.cast_dtype, self.entries = numerics, cast_dtype, entries
         self._params: dict = {}
         self.weight_source: RandomWeights | CheckpointWeights | None = None  # until the weights are read
-        self._install(self.emit(), {})
+        self.install(self.emit().source, {})
 
     # Generated code.
 
     layer_region = False  # a layer loop's function compiled once for every layer (PyTorch, see TorchModel)
 
-    def emit(self, sharded: bool = False, schedule=None, primitives: dict | None = None) -> str:
-        return emit(self.checked, self.backend, card_name=self.card.name, generics=self.generics, numerics=self.numerics,
-                    cast_dtype=self.cast_dtype, entries=self.entries, sharded=sharded, schedule=schedule,
-                    layer_region=self.layer_region, primitives=primitives)
+    def emit(self, sharded: bool = False, schedule=None, primitives: dict | None = None) -> Emitted:
+        """This model's module, as `linnet.emit.source.emit` writes it for its card, generics and entries."""
+        return emit(self.checked, self.backend, card_name=self.card.name, generics=self.generics,
+                    numerics=self.numerics, cast_dtype=self.cast_dtype, entries=self.entries, sharded=sharded,
+                    schedule=schedule, layer_region=self.layer_region, primitives=primitives)
 
-    def _install(self, source: str, namespace: dict) -> None:
-        """Executes generated source and makes its entries this model's."""
+    def install(self, source: str, namespace: dict) -> None:
+        """Executes generated source, with `namespace` (the functions sharded source calls) bound, and makes its
+        entries this model's."""
         self.source = source
         self.functions = self.execute(source, namespace)
         self._compiled = {entry: self._compile(function) for entry, function in self.functions.items()}
 
     def execute(self, source: str, namespace: dict) -> dict:
-        """The entries of generated source, executed with `namespace` (what sharded source calls) bound."""
+        """The entries of generated source, executed with `namespace` (what sharded source calls) bound: every
+        function the source calls and does not define must be there, and nothing else
+        (linnet.sharding.schedule.check_bindings)."""
         filename = f"<linnet {self.card.name} {self.backend.name}{' sharded' if namespace else ''}>"
+        check_bindings(source, namespace, filename)
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show it
         scope = dict(namespace)
         exec(compile(source, filename, "exec"), scope)
@@ -158,7 +165,8 @@ class LoadedModel(ABC):
 
     def _check_inputs(self, entry: str, inputs) -> None:
         self._check_placement(entry, inputs)
-        check_inputs(self.checked, self.generics, entry, [tuple(x.shape) for x in inputs], [self._kind(x) for x in inputs])
+        check_inputs(self.checked, self.generics, entry, [tuple(x.shape) for x in inputs],
+                     [self._kind(x) for x in inputs])
 
     def _agree(self, check, what: str) -> None:
         """check(); where a call is collective (a sharded PyTorch model), every rank raises when any rank's
@@ -179,7 +187,8 @@ class LoadedModel(ABC):
 
     def __call__(self, *inputs):
         if len(self.entries) != 1:
-            raise TypeError(f"this model has entries {self.entries}: call one by name, e.g. model.{self.entries[0]}(...)")
+            raise TypeError(f"this model has entries {self.entries}: call one by name, "
+                            f"e.g. model.{self.entries[0]}(...)")
         return self.run(self.entries[0], *inputs)
 
     def __repr__(self) -> str:

@@ -47,7 +47,8 @@ def test_the_shipped_family_checks():
 
 
 def test_syntax_error():
-    source, line = broken("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)", "    h = rms_norm(x, w.input_layernorm, eps=norm_eps")
+    source, line = broken("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)",
+                          "    h = rms_norm(x, w.input_layernorm, eps=norm_eps")
     expect(source, line, "syntax error")
 
 
@@ -152,7 +153,8 @@ def test_statements_and_declarations_outside_the_language():
      "`part` is reserved for generated code"),  # the scheduled layer loop's local
     ("def decoder_layer(x", "def decoder_layer_region(x", "any name ending in _region"),
     ("def decoder_layer(x", "def silu(x", "`silu` is a primitive of the card language"),  # the emitted one lost
-    ("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)", "    h_weights = rms_norm(x, w.input_layernorm, eps=norm_eps)",
+    ("    h = rms_norm(x, w.input_layernorm, eps=norm_eps)",
+     "    h_weights = rms_norm(x, w.input_layernorm, eps=norm_eps)",
      "any name ending in _weights"),
 ])
 def test_names_generated_code_defines_are_refused(old, new, fragment):
@@ -246,7 +248,8 @@ def test_a_setting_of_the_wrong_kind_is_refused_by_name(key, value, fragment):
 
 
 def test_an_odd_head_dimension_is_refused_where_rope_rotates_halves():
-    with pytest.raises(CardError, match=r"rope\(\): the head dimension, rotated in halves: HeadDim = 25 does not divide by 2"):
+    with pytest.raises(CardError,
+                       match=r"rope\(\): the head dimension, rotated in halves: HeadDim = 25 does not divide by 2"):
         check_program(parse_program(LLAMA, "family.arch"), {**CONFIG, "head_dim": 25}, "mine.toml")
 
 
@@ -263,8 +266,9 @@ def test_an_odd_head_dimension_is_refused_where_rope_rotates_halves():
 def test_llama_settings_it_does_not_compute_are_refused(key, value, computed):
     import json
 
-    refused({**CONFIG, key: value}, LLAMA, f"[config] {key} = {json.dumps(value)} is not supported: family.arch computes "
-                                           f"{computed}", f"(const {key}, family.arch:")
+    refused({**CONFIG, key: value}, LLAMA,
+            f"[config] {key} = {json.dumps(value)} is not supported: family.arch computes {computed}",
+            f"(const {key}, family.arch:")
 
 
 def test_absent_settings_are_transformers_defaults_and_numbers_compare_as_numbers():
@@ -274,7 +278,8 @@ def test_absent_settings_are_transformers_defaults_and_numbers_compare_as_number
     no_scaling = {k: v for k, v in CONFIG.items() if k != "rope_scaling"}
     assert check_program(parse_program(LLAMA, "family.arch"), no_scaling, "mine.toml").consts["rope_scaling"] is None
     with pytest.raises(CardError, match=r"mine.toml: \[config\] lacks model_type \(const model_type of family.arch:"):
-        check_program(parse_program(LLAMA, "family.arch"), {k: v for k, v in CONFIG.items() if k != "model_type"}, "mine.toml")
+        check_program(parse_program(LLAMA, "family.arch"), {k: v for k, v in CONFIG.items() if k != "model_type"},
+                      "mine.toml")
 
 
 QWEN2 = (CARDS_DIR / "qwen2.arch").read_text()
@@ -308,11 +313,14 @@ def test_a_dimension_left_out_is_its_default():
 
 @pytest.mark.parametrize("old, new, fragment", [
     ('hidden_act = const(config="hidden_act", default="silu", allowed=["silu"])',
-     'hidden_act = const(config="hidden_act", default="gelu", allowed=["silu"])', "its default 'gelu' is not among the values it allows"),
+     'hidden_act = const(config="hidden_act", default="gelu", allowed=["silu"])',
+     "its default 'gelu' is not among the values it allows"),
     ('mlp_bias = const(config="mlp_bias", default=False, allowed=[False])',
-     'mlp_bias = const(config="mlp_bias", default=False, allowed=False)', "allowed= must be a non-empty list of values"),
+     'mlp_bias = const(config="mlp_bias", default=False, allowed=False)',
+     "allowed= must be a non-empty list of values"),
     ('mlp_bias = const(config="mlp_bias", default=False, allowed=[False])',
-     'mlp_bias = const(config="mlp_bias", default=tied, allowed=[False])', "default= must be a literal value, got `tied`"),
+     'mlp_bias = const(config="mlp_bias", default=tied, allowed=[False])',
+     "default= must be a literal value, got `tied`"),
     ('HeadDim = dim(config="head_dim", default=D // Heads)', 'HeadDim = dim(config="head_dim", default=D // Batch)',
      "default=: `Batch` is not a dimension of the instance card declared above"),
     ('HeadDim = dim(config="head_dim", default=D // Heads)', 'HeadDim = dim(config="head_dim", default=D - Heads)',
@@ -327,7 +335,7 @@ def test_settings_a_card_only_checks_are_not_in_the_generated_source():
     from linnet.emit.source import emit
     from linnet.emit.torch_backend import TORCH
 
-    source = emit(resolve("tiny-llama").checked(), TORCH, card_name="tiny", generics={"Batch": 1, "MaxSeq": 8, "T": "f32"},
-                  numerics="exact", cast_dtype=False)
+    source = emit(resolve("tiny-llama").checked(), TORCH, card_name="tiny",
+                  generics={"Batch": 1, "MaxSeq": 8, "T": "f32"}, numerics="exact", cast_dtype=False).source
     assert "rope_scaling = {" in source and "norm_eps = 1e-05" in source
     assert "hidden_act" not in source and "model_type" not in source

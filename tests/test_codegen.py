@@ -27,7 +27,7 @@ LLAMA = (CARDS_DIR / "llama.arch").read_text()
 def test_source_of_every_card_compiles(name, backend, numerics, sharded):
     card = cards.resolve(name)
     source = emit(card.checked(), backend, card_name=name, generics=GENERICS, numerics=numerics,
-                  cast_dtype=True, sharded=sharded)
+                  cast_dtype=True, sharded=sharded).source
     compile(source, f"<{name}>", "exec")
     tree = ast.parse(source)
     defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
@@ -38,15 +38,16 @@ def test_source_of_every_card_compiles(name, backend, numerics, sharded):
 
 def test_tied_head_reads_the_embedding():
     tied = emit(cards.resolve("llama-3.2-1b").checked(), TORCH, card_name="1b", generics=GENERICS,
-                numerics="exact", cast_dtype=False, entries=["logits"])
+                numerics="exact", cast_dtype=False, entries=["logits"]).source
     untied = emit(cards.resolve("llama-3.1-8b").checked(), TORCH, card_name="8b", generics=GENERICS,
-                  numerics="exact", cast_dtype=False, entries=["logits"])
+                  numerics="exact", cast_dtype=False, entries=["logits"]).source
     assert "embedding_weights['embed_tokens']))" in tied and "lm_head" not in tied
     assert "head_weights['lm_head']))" in untied
 
 
 REGION = "@torch.compiler.nested_compile_region\n"
-WRAPPER = (REGION + "def decoder_layer_region(x, w, cos, sin, mask):  # traced and compiled once, called for every layer\n"
+WRAPPER = (REGION
+           + "def decoder_layer_region(x, w, cos, sin, mask):  # traced and compiled once, called for every layer\n"
            "    return checkpointed(decoder_layer, x, w, cos, sin, mask)")
 
 
@@ -58,7 +59,7 @@ WRAPPER = (REGION + "def decoder_layer_region(x, w, cos, sin, mask):  # traced a
 ], ids=["unsharded", "one-rank", "several-ranks", "replicas"])
 def test_a_layer_compiled_once_is_the_region_its_ranks_need(schedule, form):
     source = emit(cards.resolve("tiny-llama").checked(), TORCH, card_name="tiny", generics=GENERICS, numerics="fast",
-                  cast_dtype=True, entries=["loss_packed"], schedule=schedule, layer_region=True)
+                  cast_dtype=True, entries=["loss_packed"], schedule=schedule, layer_region=True).source
     compile(source, "<tiny>", "exec")
     if form == "wrapper":
         assert WRAPPER in source and REGION + "def decoder_layer(" not in source
@@ -71,16 +72,17 @@ def test_a_layer_loop_calling_a_primitive_has_no_region():
     """`x = rms_norm(...)` as a layer loop: the primitive is the backend's, copied in, never wrapped."""
     card = cards.resolve("tiny-llama")
     loop = "        x = decoder_layer(x, w, cos, sin, mask)\n"
-    program = parse_program(LLAMA.replace(loop, "        x = rms_norm(x, w.input_layernorm, eps=norm_eps)\n"), "llama.arch")
+    program = parse_program(LLAMA.replace(loop, "        x = rms_norm(x, w.input_layernorm, eps=norm_eps)\n"),
+                            "llama.arch")
     source = emit(check_program(program, card.config, "tiny-llama.toml"), TORCH, card_name="tiny", generics=GENERICS,
                   numerics="fast", cast_dtype=True, entries=["loss_packed"], schedule=Schedule(communicates=False),
-                  layer_region=True)
+                  layer_region=True).source
     assert "x = rms_norm(x, " in source and "_region" not in source
 
 
 def test_one_entry_emits_only_what_it_needs():
     source = emit(cards.resolve("tiny-llama").checked(), TORCH, card_name="tiny", generics=GENERICS,
-                  numerics="fast", cast_dtype=True, entries=["logits"])
+                  numerics="fast", cast_dtype=True, entries=["logits"]).source
     assert "def logits(" in source and "def loss(" not in source and "def cross_entropy(" not in source
 
 
@@ -88,9 +90,11 @@ def test_cli_prints_cards_and_source(capsys):
     assert main(["cards"]) == 0
     listed = capsys.readouterr().out
     assert "llama-3.1-8b-instruct" in listed and "meta-llama/Llama-3.1-8B-Instruct" in listed
-    assert main(["torch", "llama-3.2-1b", "--entry", "loss_packed", "--generic", "MaxSeq=128", "--numerics", "fast"]) == 0
+    assert main(["torch", "llama-3.2-1b", "--entry", "loss_packed", "--generic", "MaxSeq=128",
+                 "--numerics", "fast"]) == 0
     source = capsys.readouterr().out
-    assert "MaxSeq = 128" in source and "def loss_packed(params, tokens, targets, positions, segments, weights):" in source
+    assert "MaxSeq = 128" in source
+    assert "def loss_packed(params, tokens, targets, positions, segments, weights):" in source
     assert main(["torch", "tiny-llama", "--fully-shard", "--one-rank", "--entry", "loss_packed"]) == 0
     assert "x = decoder_layer_region(x, w, cos, sin, mask)" in capsys.readouterr().out  # as fully_shard on one rank
     assert main(["jax", "tiny-llama", "--fully-shard"]) == 0

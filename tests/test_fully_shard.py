@@ -16,13 +16,15 @@ from linnet.torch.train import row_tensors
 ROW = 64
 STEPS = 5
 LR = 3e-3
-EPS = 1e-6  # AdamW's floor under sqrt(v): 1e-8 lets ~1e-9 gradients of unseen tokens take full steps (see relative_error)
+# AdamW's floor under sqrt(v): 1e-8 lets ~1e-9 gradients of unseen tokens take full steps (see relative_error)
+EPS = 1e-6
 
 
 def rows(world: int) -> list:
     """STEPS global batches of `world` rows each, rank-strided: rows[step * world + rank]."""
     rng = np.random.default_rng(7)
-    examples = [Example.prompted(rng.integers(0, 211, rng.integers(3, 20)).tolist(), rng.integers(0, 211, rng.integers(2, 15)).tolist())
+    examples = [Example.prompted(rng.integers(0, 211, rng.integers(3, 20)).tolist(),
+                                 rng.integers(0, 211, rng.integers(2, 15)).tolist())
                 for _ in range(60 * world)]
     packed = list(pack(examples, ROW))
     assert len(packed) >= STEPS * world
@@ -146,7 +148,8 @@ def looked_up(rank: int, world: int, rows: int, width: int, part_size: int):
     import torch.distributed as dist
 
     from linnet.sharding.schedule import Schedule
-    from linnet.torch.shard import GroupLayout, Sharding, _lookup
+    from linnet.sharding.layout import GroupLayout
+    from linnet.torch.collectives import Sharding, _lookup
 
     layout = GroupLayout("Embedding", ("embed_tokens",), ((rows, width),), (0,), world * part_size, part_size)
     sharding = Sharding(dist.group.WORLD.group_name, rank, world, {"Embedding": layout}, "gather", torch.float32,
@@ -242,10 +245,10 @@ def products_policy_decisions(rank: int, world: int, card, recompute: str) -> tu
     """What the "matmuls" policy decided for each op of one step's forward, and the ops its backward ran."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from linnet.torch import fully_shard, shard
+    from linnet.torch import fully_shard, recompute
 
     decisions, backward_ops = {}, set()
-    policy = shard._products_policy
+    policy = recompute._products_policy
 
     def recording(ctx, func, *args, **kwargs):
         decision = policy(ctx, func, *args, **kwargs)
@@ -257,7 +260,7 @@ def products_policy_decisions(rank: int, world: int, card, recompute: str) -> tu
             backward_ops.add(str(func))
             return func(*args, **(kwargs or {}))
 
-    shard._products_policy = recording
+    recompute._products_policy = recording
     model = fully_shard(load(card), recompute=recompute)
     data = rows(world)[rank]
     loss = model.loss_packed(*row_tensors(data))
@@ -303,7 +306,8 @@ def test_compiled_the_matmuls_policy_recomputes_no_product(card):
     """On one rank a layer is compiled once, the region around the layer's checkpoint: "matmuls"'s policy
     sees the layer's own ops, so its backward runs the products that "gather"'s runs, where "full"'s runs
     the forward's products again (with the checkpoint around the region, "matmuls" recomputed them all)."""
-    counts = {recompute: run(backward_products, 1, card, recompute, timeout=600)[0] for recompute in ("gather", "matmuls", "full")}
+    counts = {recompute: run(backward_products, 1, card, recompute, timeout=600)[0]
+              for recompute in ("gather", "matmuls", "full")}
     assert counts["matmuls"] == counts["gather"]
     assert counts["full"][1] > counts["matmuls"][1]
 
@@ -436,8 +440,8 @@ def test_each_rank_holds_a_world_th_and_saved_weights_load_in_transformers(card,
     for name, tensor in reloaded.state_dict().items():
         if name in expected:
             assert relative_error(tensor.numpy(), expected[name].detach().numpy()) < 1e-5, name
-    logits = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, weights=tmp_path / "w2",
-                       entry="logits").logits(tokens)
+    logits = nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
+                       weights=tmp_path / "w2", entry="logits").logits(tokens)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=tokens).logits, logits, rtol=1e-5, atol=1e-5)
 
@@ -447,7 +451,8 @@ def calls_fully_shard_badly(rank: int, world: int, card):
 
     errors = []
     for attempt in (lambda: fully_shard(fully_shard(load(card))),
-                    lambda: fully_shard(nest.load(card, generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, weights="random")),
+                    lambda: fully_shard(nest.load(card, generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
+                                                  weights="random")),
                     lambda: fully_shard(load(card), recompute="some")):
         try:
             attempt()
@@ -458,14 +463,16 @@ def calls_fully_shard_badly(rank: int, world: int, card):
 
 def test_clear_errors(card):
     from linnet.torch import fully_shard
-    from linnet.torch.shard import GroupLayout, _check_split
+    from linnet.sharding.layout import group_layouts
 
     with pytest.raises(RuntimeError, match="needs a process group"):
         fully_shard(load(card))
     twice, uncast, policy = run(calls_fully_shard_badly, 1, card)[0]
-    assert "already sharded" in twice and "cast_dtype=True" in uncast and 'recompute must be "gather", "matmuls" or "full"' in policy
-    with pytest.raises(ValueError, match="group Head has 80 elements: split over 64 ranks"):
-        _check_split(GroupLayout("Head", ("norm",), ((80,),), (0,), 1024, 16), 64)
+    assert "already sharded" in twice and "cast_dtype=True" in uncast
+    assert 'recompute must be "gather", "matmuls" or "full"' in policy
+    with pytest.raises(ValueError, match=r"group \w+ has \d+ elements: split over 100000 ranks into parts of 16 \(a "
+                                         r"multiple of 16\), more than half of its buffer would be padding"):
+        group_layouts(load(card).checked, 100000, 16)
 
 
 def test_a_token_outside_the_vocabulary_is_named():
@@ -547,7 +554,8 @@ def train_over_a_subgroup(rank: int, world: int, card) -> str:
     own = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
     model = fully_shard(load(card), group=own)
     try:
-        train(model, iter(rows(1)), optimizer=torch.optim.AdamW(list(model.parameters())), steps=1, on_step=lambda s: None)
+        train(model, iter(rows(1)), optimizer=torch.optim.AdamW(list(model.parameters())), steps=1,
+              on_step=lambda s: None)
     except ValueError as error:
         return str(error)
     return "trained"
@@ -555,7 +563,8 @@ def train_over_a_subgroup(rank: int, world: int, card) -> str:
 
 def test_train_refuses_a_model_sharded_over_some_of_the_processes(card):
     for said in run(train_over_a_subgroup, 2, card, timeout=120):
-        assert said == "train needs the model sharded over every one of the 2 processes; it is over 1 (fully_shard(group=...) of some of them)"
+        assert said == ("train needs the model sharded over every one of the 2 processes; it is over 1 "
+                        "(fully_shard(group=...) of some of them)")
 
 
 def shard_that_fails(rank: int, world: int, card, read_first: bool) -> list[str]:
@@ -677,8 +686,9 @@ if sys.argv[1] == "unfiltered":
     import linnet.torch.shard
     logging.getLogger("torch._higher_order_ops.wrap").filters.clear()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-model = fully_shard(nest.load("tiny-llama", numerics="fast", generics={"Batch": 1, "MaxSeq": 32, "T": "f32"}, cast_dtype=True,
-                              trainable=True, weights="random", entry="loss_packed", compile="inductor"))
+model = fully_shard(nest.load("tiny-llama", numerics="fast", generics={"Batch": 1, "MaxSeq": 32, "T": "f32"},
+                              cast_dtype=True, trainable=True, weights="random", entry="loss_packed",
+                              compile="inductor"))
 x = torch.zeros(1, 32, dtype=torch.int32)
 model.loss_packed(x, x, torch.arange(32, dtype=torch.int32)[None], x, torch.ones(1, 32)).backward()
 dist.destroy_process_group()
@@ -692,8 +702,8 @@ def test_a_compiled_sharded_step_prints_no_context_fn_warning():
     import sys
 
     def stderr(mode: str) -> str:
-        result = subprocess.run([sys.executable, "-c", COMPILE_ONE_STEP, mode], capture_output=True, text=True, timeout=600,
-                                check=True)
+        result = subprocess.run([sys.executable, "-c", COMPILE_ONE_STEP, mode], capture_output=True, text=True,
+                                timeout=600, check=True)
         return result.stderr
 
     assert "context_fn" not in stderr("filtered")
@@ -760,7 +770,8 @@ def region_refused(rank: int, world: int, card):
 
     model = load(card, compile="inductor")
     for recompute in ("gather", "matmuls"):
-        with pytest.raises(ValueError, match=f"recompute='{recompute}' over 2 ranks.*leak.*use recompute='full', or unset"):
+        with pytest.raises(ValueError,
+                           match=f"recompute='{recompute}' over 2 ranks.*leak.*use recompute='full', or unset"):
             fully_shard(model, recompute=recompute)
     assert fully_shard(model, recompute="full").layer_region  # the refusals left the model as it was
 

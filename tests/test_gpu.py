@@ -19,7 +19,8 @@ ROW = 256
 
 def rows(count: int) -> list:
     rng = np.random.default_rng(5)
-    examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 40)).tolist(), rng.integers(6, 512, rng.integers(2, 30)).tolist())
+    examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 40)).tolist(),
+                                 rng.integers(6, 512, rng.integers(2, 30)).tolist())
                 for _ in range(40 * count)]
     return list(pack(examples, ROW))[:count]
 
@@ -28,9 +29,11 @@ def rows(count: int) -> list:
 def test_flex_attention_on_packed_rows_equals_exact(compile):
     generics = {"Batch": 1, "MaxSeq": ROW, "T": "f32"}
     exact = nest.load("tiny-llama", device="cuda", generics=generics, entry="loss_packed", numerics="exact")
-    fast = nest.load("tiny-llama", device="cuda", generics=generics, entry="loss_packed", numerics="fast", compile=compile)
+    fast = nest.load("tiny-llama", device="cuda", generics=generics, entry="loss_packed", numerics="fast",
+                     compile=compile)
     for row in rows(3):
-        torch.testing.assert_close(fast(*row_tensors(row, "cuda")), exact(*row_tensors(row, "cuda")), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(fast(*row_tensors(row, "cuda")), exact(*row_tensors(row, "cuda")),
+                                   rtol=2e-5, atol=2e-5)
 
 
 @pytest.fixture
@@ -71,8 +74,9 @@ def trained_after_and_within(compile: str | None, reshard_after_forward: bool, s
 
     results = []
     for in_backward in (False, True):
-        model = fully_shard(nest.load("tiny-llama", device="cuda", numerics="fast", generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"},
-                                      cast_dtype=True, trainable=True, weights="random", entry="loss_packed", compile=compile),
+        model = fully_shard(nest.load("tiny-llama", device="cuda", numerics="fast",
+                                      generics={"Batch": 1, "MaxSeq": ROW, "T": "bf16"}, cast_dtype=True,
+                                      trainable=True, weights="random", entry="loss_packed", compile=compile),
                             reshard_after_forward=reshard_after_forward)
         # eps=1e-6 (test_fully_shard.EPS): under AdamW's default 1e-8 an element whose gradient is ~1e-9
         # takes a full step of either sign, and a sum's last bit can move it by twice the learning rate.
@@ -88,9 +92,10 @@ def trained_after_and_within(compile: str | None, reshard_after_forward: bool, s
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_the_step_in_the_backward_equals_the_step_after_on_the_gpu(nccl_world_of_one, compile, reshard_after_forward):
     """In bf16, the parts as the step after the backward leaves them. With reshard_after_forward=False the
-    step also writes each part's cast, which the next forward takes (linnet/torch/shard.py,
+    step also writes each part's cast, which the next forward takes (linnet/torch/collectives.py,
     `_casts_from_the_step`)."""
-    (losses_after, parts_after), (losses_within, parts_within) = trained_after_and_within(compile, reshard_after_forward)
+    (losses_after, parts_after), (losses_within, parts_within) = trained_after_and_within(
+        compile, reshard_after_forward)
     # Eager, the two trainings add alike (equal to the bit on an H100); held to 1e-5, for atomics. Compiled,
     # they are two functions (one steps in its backward), which inductor fuses apart: their bf16 gradients
     # can round differently, element by element. A gradient's last bit moves its Adam step by up to about
@@ -148,7 +153,8 @@ def nccl_training(rank: int, world: int, card, compile: str | None, prefetch: in
     mesh = None if mesh is None else init_device_mesh("cuda", mesh, mesh_dim_names=("replicate", "shard"))
     model = fully_shard(load(card, compile=compile, device="cuda"), prefetch=prefetch, mesh=mesh)
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=LR, weight_decay=0.0, eps=EPS)
-    history = train(model, iter(global_rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, on_step=lambda s: None)
+    history = train(model, iter(global_rows(world)[rank::world]), optimizer=optimizer, steps=STEPS,
+                    on_step=lambda s: None)
     weights = {name: tensor.numpy() for name, tensor in gathered_weights(model, torch.float32)}
     if folder is not None:
         model.save_weights(folder)
@@ -184,7 +190,8 @@ def test_sharded_training_over_nccl_on_several_gpus_equals_one_process(tmp_path,
         torch.testing.assert_close(state[name].to(torch.bfloat16), torch.from_numpy(tensor).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("mesh", [pytest.param((2, 1), marks=several_gpus(2)), pytest.param((2, 2), marks=several_gpus(4))])
+@pytest.mark.parametrize("mesh", [pytest.param((2, 1), marks=several_gpus(2)),
+                                  pytest.param((2, 2), marks=several_gpus(4))])
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_hybrid_training_over_nccl_equals_one_process(tmp_path, mesh, compile):
     """Hybrid sharding over NCCL trains as one process does, to the bounds of

@@ -1,5 +1,5 @@
 """Products of one input made as one matrix product in sharded PyTorch code (linnet/emit/fused_linears.py, and
-`_views`/`_linears` in linnet/torch/shard.py). That the sharded model still trains as the unsharded one is
+`_views`/`_linears` in linnet/torch/collectives.py). That the sharded model still trains as the unsharded one is
 tests/test_fully_shard.py's."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from linnet.emit.fused_linears import runs_by_group, runs_in
 from linnet.sharding.schedule import Schedule
 from linnet.emit.source import emit
 from linnet.emit.torch_backend import TORCH
-from linnet.torch.shard import GroupLayout, _linears, _pieces
+from linnet.sharding.layout import GroupLayout
+from linnet.torch.collectives import _linears, _pieces
 
 GENERICS = {"Batch": 1, "MaxSeq": 4096, "T": "bf16"}
 LLAMA = (CARDS_DIR / "llama.arch").read_text()
@@ -25,7 +26,7 @@ GATE_UP = "h_gate_proj, h_up_proj = linears(h, w, ('gate_proj', 'up_proj'))"
 
 def source(checked, backend=TORCH, schedule=Schedule(communicates=False)):
     return emit(checked, backend, card_name="tiny", generics=GENERICS, numerics="fast", cast_dtype=True,
-                entries=["loss_packed"], schedule=schedule)
+                entries=["loss_packed"], schedule=schedule).source
 
 
 def llama_with(old: str, new: str):
@@ -47,7 +48,7 @@ def test_sharded_torch_code_makes_q_k_v_and_gate_up_as_one_product_each():
 def test_other_code_keeps_one_product_a_weight(backend, schedule):
     checked = cards.resolve("tiny-llama").checked()
     written = emit(checked, backend, card_name="tiny", generics=GENERICS, numerics="fast", cast_dtype=True,
-                   entries=["loss_packed"], sharded=schedule is not None, schedule=schedule)
+                   entries=["loss_packed"], sharded=schedule is not None, schedule=schedule).source
     assert "linears(" not in written and "q_proj" in written
 
 
@@ -86,7 +87,8 @@ def test_a_run_is_one_matrix_only_where_its_weights_lie_side_by_side():
 
 def test_one_product_and_a_split_equal_one_a_weight():
     torch.manual_seed(0)
-    x, q, k = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    x, q, k = (torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64),
+               torch.randn(2, 4, dtype=torch.float64))
     separate = _linears(x, {"q": q, "k": k}, ("q", "k"))
     joined = _linears(x, {"q": q, "k": k, ("q", "k"): torch.cat([q, k])}, ("q", "k"))
     for one, other in zip(separate, joined):
@@ -97,7 +99,7 @@ def test_one_product_and_a_split_equal_one_a_weight():
 def test_the_gathered_views_hold_each_weight_and_the_run():
     from types import SimpleNamespace
 
-    from linnet.torch.shard import _views
+    from linnet.torch.collectives import _views
 
     layout = GroupLayout("Layer", ("norm", "q", "k"), ((4,), (6, 4), (2, 4)), (0, 16, 40), 48, 48)
     sharding = SimpleNamespace(layouts={"Layer": layout}, products={"Layer": (("q", "k"),)})

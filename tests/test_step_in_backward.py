@@ -411,7 +411,7 @@ def kept_casts(rank: int, world: int, card, compile: str | None, reshard_after_f
 @pytest.mark.parametrize("compile", [None, "inductor"])
 def test_on_one_rank_with_kept_casts_each_step_casts_its_part_for_the_next_forward(card, compile):
     """With reshard_after_forward=False, on one rank, Adam's step writes each part's cast and the next
-    forward takes it rather than cast the part (linnet/torch/shard.py, `_casts_from_the_step`): after a
+    forward takes it rather than cast the part (linnet/torch/collectives.py, `_casts_from_the_step`): after a
     backward one cast is kept a part, after the next forward none; that forward computes with the parts as
     stepped; a part changed after its step is cast again; none is kept once the stepping ends. Training so
     equals stepping after the backward, to the bit."""

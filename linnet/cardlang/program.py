@@ -10,15 +10,14 @@ import json
 from dataclasses import dataclass, field
 
 from linnet.cardlang.types import Dim
+from linnet.sharding.schedule import SHARDED_CALLS
 
-# Names the emitted modules define or their callers inject (linnet/torch/shard.py's
-# bindings, the scheduled layer loop's locals), the suffix of the local that holds
-# a group's weights, and that of a layer's function compiled once around its
-# checkpoint: a card's own names may not use them.
-RESERVED = frozenset({
-    "params", "gather", "checkpointed", "over_layers", "one_layer", "torch", "F", "math", "jax", "jnp", "np",
-    "launch_gather", "wait_gather", "launch_of", "hold", "take", "after", "lookup", "across_replicas",
-    "parts", "part", "gathers", "i",
+# Names the emitted modules define or their callers inject (the functions sharded source calls,
+# linnet.sharding.schedule.SHARDED_CALLS; the scheduled layer loop's locals), the suffix of the local
+# that holds a group's weights, and that of a layer's function compiled once around its checkpoint: a
+# card's own names may not use them.
+RESERVED = frozenset(SHARDED_CALLS) | frozenset({
+    "params", "one_layer", "torch", "F", "math", "jax", "jnp", "np", "parts", "part", "gathers", "i",
 })
 RESERVED_SUFFIX = "_weights"
 REGION_SUFFIX = "_region"

@@ -11,7 +11,7 @@ backward, 21% quicker on an H100). The emitter writes
     h_q_proj, h_k_proj, h_v_proj = linears(h, w, ('q_proj', 'k_proj', 'v_proj'))
 
 where the card wrote three `linear(h, w.q_proj)`, ...; fully_shard views each
-run's weights as one matrix (linnet/torch/shard.py, `_views`), and the binding
+run's weights as one matrix (linnet/torch/collectives.py, `_views`), and the binding
 `linears` makes one product where that view exists, one a weight otherwise.
 
 A run: weights consecutive in their group's declaration, each read once by
@@ -62,7 +62,8 @@ def runs_in(function: FunctionDecl, checked: Checked) -> list[Run]:
             reads.setdefault((x, version[x], variable), []).append((weight, index))
         version.assigned_by(statement)
     runs = []
-    taken = {n.id for s in function.body for n in ast.walk(s) if isinstance(n, ast.Name)} | {p.name for p in function.params}
+    taken = ({n.id for s in function.body for n in ast.walk(s) if isinstance(n, ast.Name)}
+             | {p.name for p in function.params})
     for (x, x_version, variable), read in reads.items():
         names = [name for name, _ in read]
         if len(set(names)) != len(names):  # a weight read twice by the same input: left as the card wrote it

@@ -30,6 +30,17 @@ from linnet.sharding.schedule import Schedule
 
 
 @dataclass(frozen=True)
+class Emitted:
+    """What `emit` wrote: the module's source, and the parts its sharded code marks `late=True` (reduced last:
+    their mean across the replicas is left to after the backward, linnet/torch/hybrid.py): (params key, 0)
+    for the first layer of a group a layer loop runs over, (params key, None) for a group an entry gathers
+    first (the tied embedding). Empty without replicas."""
+
+    source: str
+    late_parts: tuple[tuple[str, int | None], ...] = ()
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str  # "torch" or "jax"
     imports: str
@@ -51,7 +62,7 @@ def emit(
     schedule: Schedule | None = None,
     layer_region: bool = False,
     primitives: dict | None = None,
-) -> str:
+) -> Emitted:
     """layer_region: a function that a layer loop calls is compiled once for every layer
     (`@torch.compiler.nested_compile_region`, PyTorch only); sharded over one rank the region is a
     wrapper, `<function>_region`, that calls `checkpointed(<function>, ...)`. primitives: functions copied in for
@@ -91,18 +102,7 @@ def emit(
         lines += ["", "", _primitive_source(prims[name], name)]
     for function in written:
         lines += ["", "", *function]
-    return "\n".join(lines) + "\n"
-
-
-def late_parts(checked: Checked, backend: Backend, schedule: Schedule, entries: list[str]) -> list[tuple[str, int | None]]:
-    """The parts that the sharded code of `entries` marks `late=True` (reduced last: their mean across the
-    replicas is left to after the backward, linnet/torch/hybrid.py), as the emitter writes them:
-    (params key, 0) for the first layer of a group a layer loop runs over, (params key, None) for a group
-    an entry gathers first (the tied embedding). Empty without replicas."""
-    writer = _Writer(checked, backend, True, True, schedule)
-    for function in _needed_functions(checked, entries):
-        writer.function(function)
-    return writer.late_written
+    return Emitted("\n".join(lines) + "\n", tuple(writer.late_written))
 
 
 def _calls(function: FunctionDecl) -> set[str]:
@@ -192,7 +192,8 @@ class _Writer:
 
     def _layer_functions(self) -> set[str]:
         """The functions a layer loop calls: `layer` in `for w in Layers: x = layer(x, w, ...)`."""
-        loops = (n for f in self.program.functions.values() for s in f.body for n in ast.walk(s) if isinstance(n, ast.For))
+        loops = (n for f in self.program.functions.values() for s in f.body for n in ast.walk(s)
+                 if isinstance(n, ast.For))
         return {s.value.func.id for loop in loops for s in loop.body
                 if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)
                 and s.value.func.id in self.program.functions}  # a primitive is the backend's, never a region
@@ -200,7 +201,8 @@ class _Writer:
     def _singletons_read(self, function: FunctionDecl) -> list[GroupDecl]:
         found = []
         for node in (n for s in function.body for n in ast.walk(s)):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in self.program.groups:
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in self.program.groups):
                 group = self._resolve(node, function)[0]
                 if group.repeat is None and group not in found:
                     found.append(group)
@@ -226,7 +228,8 @@ class _Writer:
             tables = {id(n.args[1]) for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                       and n.func.id == "embedding" and len(n.args) == 2}
             for node in nodes:
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in self.program.groups:
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                        and node.value.id in self.program.groups):
                     group = self._resolve(node, function)[0]
                     if group.repeat is None:
                         reads.setdefault(group.name, []).append(id(node) in tables)
@@ -238,13 +241,15 @@ class _Writer:
         first after the call (the head), where only entries read that group and none before the call:
         the loop launches that group's gather as it would a next layer's."""
         program = self.program
-        looping = {f.name for f in program.functions.values() if any(isinstance(n, ast.For) for s in f.body for n in ast.walk(s))}
+        looping = {f.name for f in program.functions.values()
+                   if any(isinstance(n, ast.For) for s in f.body for n in ast.walk(s))}
         read_elsewhere = {g.name for f in program.functions.values() if f.name not in program.entries
                           for g in self._singletons_read(f)}
         found: dict[str, set] = {}
         for entry in (program.functions[name] for name in program.entries):
             reached = {f.name for f in _needed_functions(self.checked, [entry.name])} & looping
-            called = [(at, c) for at, statement in enumerate(entry.body) for c in sorted(_calls_in(statement) & looping)]
+            called = [(at, c) for at, statement in enumerate(entry.body)
+                      for c in sorted(_calls_in(statement) & looping)]
             for loop_function in reached:  # reached other than by one call from the entry: nothing follows
                 found.setdefault(loop_function, set()).add(None)
             if len(called) != 1 or reached != {called[0][1]}:
@@ -311,7 +316,8 @@ class _Writer:
         if function.name in self.regions:  # traced and compiled once, called for every layer
             lines.insert(0, "@torch.compiler.nested_compile_region")
         if function.name in self.program.entries:
-            reached = {g.name for f in _needed_functions(self.checked, [function.name]) for g in self._singletons_read(f)}
+            reached = {g.name for f in _needed_functions(self.checked, [function.name])
+                       for g in self._singletons_read(f)}
             for group in (g for g in self.shared.values() if g.name in reached):
                 late = group.name in self.late
                 if late:
@@ -320,7 +326,8 @@ class _Writer:
                              f"{', late=True' if late else ''})}}  # read by several functions: gathered once"
                              f"{', reduced last' if late else ''}")
             if any(g.name in reached for g in self.then.values()) and len(lines) == 1:
-                lines.append("    params = {**params}  # a copy, which the layer loop puts its launch of the next group in")
+                lines.append("    params = {**params}  "
+                             "# a copy, which the layer loop puts its launch of the next group in")
         for loop in (s for s in function.body if isinstance(s, ast.For) and self.schedule is not None):
             then = self.then.get(function.name)
             lines += self.schedule.replica_waits(layers=f"params[{self.program.groups[loop.iter.id].key!r}]",
@@ -373,7 +380,7 @@ class _Writer:
                     lines.append(f"{indent}{carried} = over_layers(one_layer, {carried}, params[{group.key!r}])")
                     continue
                 lines.append(f"{indent}for {statement.target.id} in params[{group.key!r}]:")
-                if self.sharded:  # one rank: the part taken where its layer starts (linnet/torch/shard.py)
+                if self.sharded:  # one rank: the part taken where its layer starts (linnet/torch/collectives.py)
                     target = statement.target.id
                     lines.append(f"{indent}    {target} = take({target})  # stepping in the backward: the part's step")
                 lines += self.block(statement.body, function, inner, set(fetched), indent + "    ")
@@ -406,7 +413,8 @@ class _Writer:
 
     def _fetch(self, group: GroupDecl, variable: str) -> str | None:
         source = f"params[{group.key!r}]" if group.repeat is None else variable
-        if self.schedule is not None and self.schedule.communicates and group.repeat is not None:  # launched by the loop
+        # launched by the loop
+        if self.schedule is not None and self.schedule.communicates and group.repeat is not None:
             return f"{variable} = wait_gather({source}, {group.name!r})"
         if group.name in self.shared:  # gathered by the entry
             return f"{variable} = {source}"

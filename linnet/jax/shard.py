@@ -32,22 +32,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from linnet.cardlang.check import Checked
+from linnet.sharding.layout import GroupLayout
+from linnet.sharding.layout import group_layouts as layouts_of
 from linnet.hf.read import CheckpointWeights, RandomWeights, SliceReader, group_specs
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """Where each weight of one group lies in its flat buffer: one after the other, then padding."""
-
-    group: str  # the card's group name ("Layer")
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...]
-    extent: int  # where the last weight ends
-    total: int  # padded to a multiple of the number of devices
-
-    def part_size(self, devices: int) -> int:
-        return self.total // devices
 
 
 def shard_axis(mesh: Mesh) -> str:
@@ -62,21 +49,8 @@ def shards(mesh: Mesh) -> int:
 
 
 def group_layouts(checked: Checked, devices: int) -> dict[str, GroupLayout]:
-    """The flat layout of every group of the card, for `devices` parts each."""
-    layouts = {}
-    for decl in checked.program.groups.values():
-        weights = [w for w in decl.weights if not checked.is_tied(w)]
-        shapes = tuple(checked.weight_shape(w) for w in weights)
-        offsets, end = [], 0
-        for shape in shapes:
-            offsets.append(end)
-            end += math.prod(shape)
-        total = -(-end // devices) * devices
-        if 2 * end < total:
-            raise ValueError(f"group {decl.name} has {end} elements: split over {devices} devices, more than half "
-                             f"of its buffer would be padding. Use fewer devices.")
-        layouts[decl.name] = GroupLayout(decl.name, tuple(w.name for w in weights), shapes, tuple(offsets), end, total)
-    return layouts
+    """The flat layout of every group of the card for `devices` parts each: the weights end to end, then padding."""
+    return layouts_of(checked, devices, what="devices")
 
 
 def flatten(weights: dict, layout: GroupLayout) -> jax.Array:
@@ -184,7 +158,8 @@ def stack_layers(tree, mesh: Mesh):
     freed as it is copied in, so a device never holds the layers twice."""
     def stack(layers: list):
         placement = NamedSharding(mesh, PartitionSpec(None, shard_axis(mesh)))
-        stacked = jax.jit(partial(jnp.zeros, (len(layers), *layers[0].shape), layers[0].dtype), out_shardings=placement)()
+        stacked = jax.jit(partial(jnp.zeros, (len(layers), *layers[0].shape), layers[0].dtype),
+                          out_shardings=placement)()
         for index in range(len(layers)):
             stacked = _set_row(stacked, layers[index], index)
             layers[index].delete()

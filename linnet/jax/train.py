@@ -394,7 +394,7 @@ def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool, kerne
     # worth of memory (prims_jax.cross_entropy_chunked says what was measured).
     if remat and model.numerics == "fast":
         primitives["cross_entropy"] = partial(prims_jax.cross_entropy_chunked, recompute=True)
-    return model.execute(model.emit(sharded=True, primitives=primitives), namespace)["loss_packed"]
+    return model.execute(model.emit(sharded=True, primitives=primitives).source, namespace)["loss_packed"]
 
 
 def _evaluate_function(model: JaxModel, layouts, mesh: Mesh, kernel: int | None):

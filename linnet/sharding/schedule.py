@@ -53,12 +53,51 @@ machine, and the mean across the replicas follows the backward
 (linnet/torch/hybrid.py), under the optimizer's step of the other parts
 where `train` steps it, instead of ending the backward with nothing to hide it.
 
-The functions the lines call (hold, take, launch_gather, wait_gather,
-launch_of, after, across_replicas) are bound by linnet/torch/shard.py."""
+SHARDED_CALLS below names every function sharded source may call beyond its
+own; the wing that runs the source binds them (PyTorch: linnet/torch/collectives.py;
+JAX: linnet/jax/train.py), and `check_bindings` refuses source that calls one
+not bound, or a binding that is not in the list."""
 
 from __future__ import annotations
 
+import ast
+import builtins
 from dataclasses import dataclass
+
+# What sharded source may call, by name, and what each does; a new schedule or a new binding starts here.
+SHARDED_CALLS = {
+    "gather": "a group's weights, gathered (cast, on one rank) where a function first uses them",
+    "checkpointed": "a function that takes a group, run in a region whose backward recomputes it",
+    "over_layers": "JAX: a layer loop as one call, over a list of layers or lax.scan over one stacked array",
+    "launch_gather": "a layer's gather, launched `prefetch` layers ahead",
+    "wait_gather": "the weights of a launched gather, once it is done",
+    "launch_of": "the tokens of launches that work ordered after them depends on",
+    "hold": "(x, part) passed through; the backward waits for the part's gradient as x's passes",
+    "take": "a layer's part as the loop hands it over (where the optimizer steps in the backward)",
+    "after": "x, made once its forward dependencies exist; its gradient once its backward ones do",
+    "across_replicas": "the parts whose gradients are averaged across replicas, waited for where the backward ends",
+    "lookup": "an untied table's rows for the tokens, without gathering the table",
+    "linears": "x times weights that lie side by side in a gathered buffer, as one product",
+}
+
+
+def check_bindings(source: str, namespace: dict, where: str) -> None:
+    """Raises RuntimeError where `source` calls a function it neither defines nor finds among the builtins or
+    `namespace`, or where `namespace` binds a name that is not in SHARDED_CALLS, naming each and `where`."""
+    nodes = list(ast.walk(ast.parse(source)))
+    defined = {node.name for node in nodes if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {node.arg for node in nodes if isinstance(node, ast.arg)}
+    defined |= {node.id for node in nodes if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    defined |= {(alias.asname or alias.name).split(".")[0] for node in nodes
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    called = {node.func.id for node in nodes if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    unbound = sorted(called - defined - set(dir(builtins)) - set(namespace))
+    unlisted = sorted(set(namespace) - set(SHARDED_CALLS))
+    if unbound or unlisted:
+        problems = ([f"calls {', '.join(unbound)}, which nothing binds"] if unbound else []) + (
+            [f"is given {', '.join(unlisted)}, which linnet.sharding.schedule.SHARDED_CALLS does not list"]
+            if unlisted else [])
+        raise RuntimeError(f"the generated source of {where} {' and '.join(problems)}")
 
 
 @dataclass(frozen=True)
@@ -112,7 +151,8 @@ class Schedule:
             f"{indent}# reduce-scatter ends, and waited for where the backward ends; the first layer's",
             f"{indent}# (late: reduced last) after the backward.",
             f"{indent}parts = across_replicas({layers})  # the layer loop's",
-            *([f"{indent}params[{then[0]!r}] = across_replicas(params[{then[0]!r}])"] if then is not None and self.prefetch > 0 else []),
+            *([f"{indent}params[{then[0]!r}] = across_replicas(params[{then[0]!r}])"]
+              if then is not None and self.prefetch > 0 else []),
         ]
 
     def layer_loop(self, *, layers: str, group: str, loop_var: str, carried: str, body: list[str], indent: str,

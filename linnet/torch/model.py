@@ -87,8 +87,8 @@ class TorchModel(LoadedModel):
             return call
         return function
 
-    def _install(self, source: str, namespace: dict) -> None:
-        super()._install(source, namespace)
+    def install(self, source: str, namespace: dict) -> None:
+        super().install(source, namespace)
         # entry -> its function with the steps first, compiled again from the new functions when first called
         self._stepping_entries: dict = {}
 
@@ -157,7 +157,7 @@ class TorchModel(LoadedModel):
         if self.sharding is None:
             return write_hf_checkpoint(self.card, shapes, self.named_weights(), Path(path), dtype, max_shard_size=max_shard_size)
         from linnet.torch.agree import together
-        from linnet.torch.shard import gathered_weights
+        from linnet.torch.collectives import gathered_weights
 
         gathered = gathered_weights(self, dtype)
 

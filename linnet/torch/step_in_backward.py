@@ -4,7 +4,7 @@ An optimizer steps after the backward, so every gradient is held at once: for
 a model sharded in f32, as many bytes as its parts (8B on one GPU: 30 GiB of
 the 120 that weights, gradients and moments take). Here the entry receives
 each part the optimizer trains as `Stepped`, and the sharded code's bindings
-`take` it where they first use it (linnet/torch/shard.py): through an
+`take` it where they first use it (linnet/torch/collectives.py): through an
 identity whose backward runs once the part's whole gradient exists (after its
 reduction, and after every use of a tied weight). The part enters detached,
 the identity's node made through a leaf that requires grad (`anchor`):
@@ -37,7 +37,8 @@ gradient is still held until then.
 
 The update is the optimizer's, as `fused=True` computes it (bit for bit;
 within rounding, 3e-8 after three steps, of the for-each and for-loop
-forms; on CUDA, Adam's L2 form within an ulp or so, tests/test_gpu_adam_step.py): its moments and step counts in `optimizer.state` (what a checkpoint
+forms; on CUDA, Adam's L2 form within an ulp or so, tests/test_gpu_adam_step.py):
+its moments and step counts in `optimizer.state` (what a checkpoint
 saves), its learning rate read from its parameter groups at each forward (a
 schedule's changes, in a tensor that the compiled graph reads). `train`
 steps this way where `supported` finds nothing against it: Adam or AdamW
@@ -127,7 +128,7 @@ class Stepped(NamedTuple):
 
 def taken(part, through: torch.Tensor | None = None, cast_dtype: torch.dtype | None = None):
     """The part as the code uses it: a Stepped one through the step in the backward. Made where the part is
-    first used (the sharded code's bindings call this: linnet/torch/shard.py), so that autograd, which runs
+    first used (the sharded code's bindings call this: linnet/torch/collectives.py), so that autograd, which runs
     the nodes made last first, reaches the step as soon as the gradient is complete, not at the end.
     through: what the part's gradient arrives by instead (on one rank, the sink its cast's gradient goes to:
     shard.py's `_take`), which steps the part as it is (Adam's step widens a narrower one as it reads it).
@@ -252,6 +253,6 @@ def stepping_in_backward(model, optimizer: torch.optim.Optimizer):
         yield model.stepping
     finally:
         model.stepping = None
-        # The last step's casts of the parts (linnet/torch/shard.py, `_casts_from_the_step`): only a forward
+        # The last step's casts of the parts (linnet/torch/collectives.py, `_casts_from_the_step`): only a forward
         # that steps takes them, and none follows here.
         ops.drop_stepped_casts(list(_leaves(model.params)))
