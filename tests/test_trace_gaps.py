@@ -35,7 +35,8 @@ def test_torch_and_jax_traces_give_the_same_kernels_and_gaps(tmp_path):
     jax_trace = write(tmp_path / "perfetto_trace.json.gz", [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "name": "process_name", "pid": 700, "args": {"name": "/host:CPU"}},
-        *({"ph": "M", "name": "thread_name", "pid": 1, "tid": s, "args": {"name": f"Stream #{s}(Compute)"}} for s in (7, 9)),
+        *({"ph": "M", "name": "thread_name", "pid": 1, "tid": s, "args": {"name": f"Stream #{s}(Compute)"}}
+          for s in (7, 9)),
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 50, "args": {"name": "XLA Ops"}},  # derived: not kernels
         *({"ph": "X", "name": n, "ts": t, "dur": d, "pid": 1, "tid": s} for n, s, t, d in timeline),
         *({"ph": "X", "name": f"op {n}", "ts": t, "dur": d, "pid": 1, "tid": 50} for n, s, t, d in timeline),

@@ -41,7 +41,8 @@ def checkpoint_copy(card: Path, tmp_path: Path, edit) -> Path:
 def test_sharded_checkpoint_with_index(card, tmp_path):
     from transformers import LlamaForCausalLM
 
-    LlamaForCausalLM.from_pretrained(resolve(card).weights.repo).save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
+    LlamaForCausalLM.from_pretrained(resolve(card).weights.repo).save_pretrained(tmp_path / "sharded",
+                                                                                max_shard_size="60KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
     model = nest.load(card, generics=GENERICS, weights=tmp_path / "sharded")
@@ -87,7 +88,8 @@ def test_misshaped_tensor_names_both_shapes(card, tmp_path):
         tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(20, 80)
 
     folder = checkpoint_copy(card, tmp_path, shrink)
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight has shape \(20, 80\) .* expects \(40, 80\)"):
+    with pytest.raises(ValueError,
+                       match=r"model.layers.0.self_attn.k_proj.weight has shape \(20, 80\) .* expects \(40, 80\)"):
         nest.load(card, generics=GENERICS, weights=folder)
 
 

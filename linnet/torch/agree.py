@@ -5,8 +5,8 @@ waiting in a collective for a rank that has stopped.
     first_rank_does(lambda: write(folder), "write the weights")     # called by every rank
     agree_on_check(lambda: check(inputs), "loss_packed()", group)   # before a sharded forward
 
-runs the action on this rank (or, with first_rank_does, on the first only), then every rank learns (one all-gather) whether
-any rank failed: the failing ranks raise their own exception, the others a
+runs the action on this rank (or, with first_rank_does, on the first only), then every rank learns
+(one all-gather) whether any rank failed: the failing ranks raise their own exception, the others a
 RuntimeError that names the failing ranks and their messages (a UserError
 where each failing rank's was a user error, linnet.errors.UserError, so
 that every rank reports it as one line). A training loop
@@ -36,7 +36,8 @@ T = TypeVar("T")
 # group name -> (the group, the Gloo group of its ranks). Names come again after destroy_process_group
 # and a new init: a group made for an earlier group of that name is not this one's.
 _CPU_GROUPS: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-_KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, UserError, NotFinite)}  # raised again by name
+# raised again by name
+_KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, UserError, NotFinite)}
 
 
 def _world() -> int:
@@ -59,7 +60,8 @@ def cpu_group(group: dist.ProcessGroup | str | None = None) -> dist.ProcessGroup
     made = _CPU_GROUPS.get(group.group_name)
     if made is None or made[0] is not group:
         ranks = dist.get_process_group_ranks(group)
-        made = _CPU_GROUPS[group.group_name] = group, dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        made = _CPU_GROUPS[group.group_name] = (
+            group, dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
     return made[1]
 
 
