@@ -42,7 +42,8 @@ def rows(world: int) -> list:
     return list(pack(examples, ROW))[: STEPS * world]
 
 
-@pytest.mark.parametrize("kind, weight_decay", [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.0)])
+@pytest.mark.parametrize("kind, weight_decay",
+                         [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.0)])
 def test_the_op_steps_as_fused_adam(kind, weight_decay):
     generator = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.randn(1000, generator=generator))
@@ -134,7 +135,8 @@ def training(rank: int, world: int, card, compile: str | None, in_backward: bool
     history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, schedule=schedule,
                     on_step=lambda s: None, step_in_backward=in_backward)
     parts = [p.detach().numpy().copy() for p in model.parameters()]  # (numpy: tensors do not cross processes here)
-    states = [{key: value.cpu().numpy().copy() for key, value in optimizer.state[p].items()} for p in model.parameters()]
+    states = [{key: value.cpu().numpy().copy() for key, value in optimizer.state[p].items()}
+              for p in model.parameters()]
     return [s.loss for s in history.steps], parts, states
 
 
