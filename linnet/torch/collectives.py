@@ -362,7 +362,8 @@ def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group:
                                  world * replicas)
     local = _gather_tokens(sharding, tokens).to(torch.int64) - first
     held = ((local >= 0) & (local < count))[:, None]
-    found = (slab.view(count, width)[local.clamp(0, count - 1)] * held).to(sharding.compute_dtype)  # (ranks x tokens, width)
+    # (ranks x tokens, width)
+    found = (slab.view(count, width)[local.clamp(0, count - 1)] * held).to(sharding.compute_dtype)
     if replicas > 1:
         found = found.view(world, replicas, tokens.numel(), width)
         mine = _RowsOfEveryReplica.apply(found, sharding.group_name, sharding.replicate_group_name, sharding.replica)
@@ -384,4 +385,5 @@ def gathered_weights(model, dtype: torch.dtype):
             views = ops.group_views(full, list(layout.offsets), layout.shapes)
             del full
             while views:  # each view goes once yielded, and the group's buffer with the last
-                yield specs[(decl.key, index if decl.repeat is not None else None, layout.names[-len(views)])], views.pop(0)
+                yield (specs[(decl.key, index if decl.repeat is not None else None, layout.names[-len(views)])],
+                       views.pop(0))

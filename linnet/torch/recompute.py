@@ -48,8 +48,10 @@ def _gather_policy(ctx, func, *args, **kwargs):
 # What "matmuls" keeps: the products and attention, whose recomputation would cost as much again.
 _PRODUCTS = frozenset({
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.higher_order.flex_attention,
 })
 
@@ -83,4 +85,5 @@ def checkpointed(recompute: str, reshard_after_forward: bool, function, *args):
     policy = {"full": recompute_all, "matmuls": _products_policy, "gather": _gather_policy}[recompute]
     if not reshard_after_forward:
         policy = _keeping_gathers(policy)
-    return checkpoint(function, *args, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
+    return checkpoint(function, *args, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, policy))
