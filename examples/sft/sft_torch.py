@@ -92,7 +92,8 @@ model = nest.load(
 fully_shard(model, mesh=torchrun_mesh("cuda" if cuda else "cpu", args.sharding))
 if rank == 0:
     replicas, parts = model.sharding.replicas, model.sharding.world
-    print(f"each weight in {parts} parts" + (f", one copy on each of {replicas} machines" if replicas > 1 else ""), flush=True)
+    copies = f", one copy on each of {replicas} machines" if replicas > 1 else ""
+    print(f"each weight in {parts} parts{copies}", flush=True)
 trained = [p for p in model.parameters() if p.requires_grad]
 optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
 schedule = cosine_schedule(optimizer, warmup, args.steps, floor=0.0)

@@ -54,8 +54,8 @@ def _named_leaves(prefix: str, tree) -> dict[str, jax.Array]:
 def _check_finite(step: int, parts, opt_state) -> None:
     """Raises NotFinite where a part or a floating array of the optimizer state holds inf or nan, naming how many
     and the first. The flags are computed where the arrays lie, one scalar each, the same on every process."""
-    named = [(name, leaf) for name, leaf in {**_named_leaves("parts", parts), **_named_leaves("optimizer", opt_state)}.items()
-             if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    leaves = {**_named_leaves("parts", parts), **_named_leaves("optimizer", opt_state)}
+    named = [(name, leaf) for name, leaf in leaves.items() if jnp.issubdtype(leaf.dtype, jnp.floating)]
     if not named:
         return
     flags = _all_finite([leaf for _, leaf in named])
@@ -181,7 +181,8 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
         if manifest.get("model") is not None and self.description is not None:
             differences += resume_check.model_differences(manifest["model"], self.description)
         else:  # a manifest from before the shapes were recorded: the counts show in the parts' names
-            differences += _count_differences(group_counts(manifest["arrays"]), group_counts(_named_leaves("parts", parts)))
+            saved, mine = group_counts(manifest["arrays"]), group_counts(_named_leaves("parts", parts))
+            differences += _count_differences(saved, mine)
         if not differences:
             for group in sorted(manifest["extents"].keys() | self.extents.keys()):
                 saved, mine = manifest["extents"].get(group), self.extents.get(group)

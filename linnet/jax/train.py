@@ -101,7 +101,7 @@ def train(
     layouts = shard.group_layouts(model.checked, shard.shards(mesh))
     # The folder is checked and held before the weights are built: a run that cannot save fails at once.
     checkpointer = None if checkpoint is None else JaxCheckpointer(
-        checkpoint, model.card.name, {g: l.extent for g, l in layouts.items()}, rows_a_step,
+        checkpoint, model.card.name, {g: layout.extent for g, layout in layouts.items()}, rows_a_step,
         description=resume_check.model_description(model.checked), steps=steps,
         row_length=model.generics["MaxSeq"], optimizer_settings=optimizer_settings(optimizer), devices=mesh.size,
         writer=jax.process_index() == 0)
@@ -162,7 +162,8 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             chunk, arrays = _on_every_process(f"taking the rows of step {step}", lambda: rows_of(step))
             kernel = _agreed_kernel(_attention_kernel(model, mesh, arrays[LOSS_PACKED_INPUTS.index("segments")]))
             if kernel not in step_functions:
-                step_functions[kernel] = _step_function(model, layouts, mesh, optimizer, remat, parts, state_placements, kernel)
+                step_functions[kernel] = _step_function(model, layouts, mesh, optimizer, remat, parts,
+                                                        state_placements, kernel)
             inputs = [jax.make_array_from_process_local_data(placement, array) for array in arrays]
             start = time.perf_counter()
             parts, opt_state, (loss, weight) = step_functions[kernel](parts, opt_state, *inputs)
@@ -178,7 +179,7 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
                 _on_every_process(f"saving a checkpoint into {checkpointer.folder}", lambda: checkpointer.save(
                     step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size))
     finally:  # however the run ends, the model holds its weights as parts, a flat one a layer
-        del opt_state  # first: the layers are briefly held twice while they are cut apart
+        opt_state = None  # first: the layers are briefly held twice while they are cut apart
         parts = shard.unstack_layers(parts)
         model.params = {}  # which clears weight_source: set it after
         model.weight_source = shard.ShardedWeights(parts, layouts, mesh)
@@ -247,7 +248,8 @@ def _evaluate_sharded(model: JaxModel, rows: list[Row], weights: shard.ShardedWe
 def _padded(chunk: list[Row], size: int) -> list[Row]:
     """`chunk` filled up to `size` rows with rows of zero loss weight."""
     blank = chunk[0]
-    return chunk + [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (size - len(chunk))
+    weightless = Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)
+    return chunk + [weightless] * (size - len(chunk))
 
 
 def _check(model, mesh: Mesh) -> None:
@@ -385,8 +387,8 @@ def _sharded_loss_packed(model: JaxModel, layouts, axis: str, remat: bool, kerne
     """The card's `loss_packed` in its sharded form, run inside shard_map over `axis`: (parts, *inputs) -> loss.
     kernel: the fast attention's, chosen on the host (_attention_kernel), or None: on the device."""
     dtype = JAX_DTYPES[model.generics[model.checked.program.compute_dtype]]
-    namespace = {"gather": partial(shard.gather, layouts, axis, dtype), "checkpointed": partial(shard.checkpointed, remat),
-                 "over_layers": shard.over_layers}
+    namespace = {"gather": partial(shard.gather, layouts, axis, dtype),
+                 "checkpointed": partial(shard.checkpointed, remat), "over_layers": shard.over_layers}
     primitives = {}
     if kernel is not None:
         primitives["attention"] = partial(prims_jax.attention_fast, kernel=kernel)

@@ -190,5 +190,6 @@ def _check_out_folder(folder: Path, needed: int | None = None) -> None:
             raise UserError(f"--out {folder} cannot be written: {existing} does not take a new file "
                             f"({error.strerror or error}); give a folder you can write to") from None
     if needed is not None and storage.free_space(folder) < needed:
-        raise UserError(f"--out {folder}: no space left for the trained weights: they need {storage.gb(needed)} in bf16, "
+        raise UserError(f"--out {folder}: no space left for the trained weights: they need {storage.gb(needed)} "
+                        f"in bf16, "
                         f"and {storage.gb(storage.free_space(folder))} is free there; free some or give another folder")

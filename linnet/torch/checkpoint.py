@@ -70,7 +70,8 @@ class Checkpointer(folder_lock.HoldsFolder):
 
     def __init__(self, folder, model, optimizer: torch.optim.Optimizer, schedule=None, keep: int = 2,
                  steps: int | None = None):
-        self.folder, self.model, self.optimizer, self.schedule, self.keep = Path(folder), model, optimizer, schedule, keep
+        self.folder, self.model, self.optimizer = Path(folder), model, optimizer
+        self.schedule, self.keep = schedule, keep
         self.steps = steps
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         parts = list(model.parameters())
@@ -94,7 +95,8 @@ class Checkpointer(folder_lock.HoldsFolder):
 
     def bytes_needed(self) -> int:
         """The bytes one checkpoint takes, every writing rank's file (a collective: every rank calls it)."""
-        mine = _tensor_bytes(self.params) + _optimizer_state_bytes(self.optimizer, self.params) if _parts_of(self.model)[2] else 0
+        writes = _parts_of(self.model)[2]
+        mine = _tensor_bytes(self.params) + _optimizer_state_bytes(self.optimizer, self.params) if writes else 0
         return sum(_gather_objects(mine)) + checkpoint_folder.HEADROOM
 
     def check_room(self) -> None:
@@ -234,7 +236,8 @@ class Checkpointer(folder_lock.HoldsFolder):
             first = next((i for i, (a, b) in enumerate(zip(saved, shapes)) if a != b), min(len(saved), len(shapes)))
             raise ValueError(resume_check.does_not_fit(folder, self.model.card.name, [
                 f"{len(saved)} tensors in the checkpoint, {len(shapes)} in this run",
-                f"tensor {first}: {_shape_at(saved, first)} in the checkpoint, {_shape_at(shapes, first)} in this run"]))
+                f"tensor {first}: {_shape_at(saved, first)} in the checkpoint, "
+                f"{_shape_at(shapes, first)} in this run"]))
         return state
 
     def _load(self, state: dict, manifest: dict, follow: bool) -> None:
