@@ -80,7 +80,21 @@ def test_files_read_back_by_safetensors_bit_for_bit(tmp_path, dtype):
     for name, tensor in tensors.items():
         assert read[name][1].dtype == dtype and torch.equal(read[name][1], tensor.to(dtype)), name
     config = json.loads((folder / "config.json").read_text())
-    assert config == {**CARD.config, **LEFT_TO_DEFAULTS, "torch_dtype": str(dtype).removeprefix("torch.")}
+    name = str(dtype).removeprefix("torch.")
+    assert config == {**CARD.config, **LEFT_TO_DEFAULTS, "torch_dtype": name, "dtype": name}
+
+
+def test_the_config_names_the_dtype_written_whatever_the_source_said(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_models import save_hf_llama
+
+    card = save_hf_llama(tmp_path / "source", dtype=torch.float32)  # its config.json says "dtype": "float32"
+    model = nest.load(card, generics={"Batch": 1, "MaxSeq": 16, "T": "f32"}, cast_dtype=True, trainable=True)
+    folder = model.save_weights(tmp_path / "out", dtype=torch.bfloat16)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(folder, dtype="auto").dtype == torch.bfloat16
 
 
 def test_a_new_save_replaces_the_weight_files_of_an_earlier_one(tmp_path):

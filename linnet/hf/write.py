@@ -121,7 +121,8 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
             index = {"metadata": {**totals, SAVE_KEY: save},
                      "weight_map": {n: file for file, in_file in zip(names, plan) for n in in_file}}
             write_synced(partial / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
-        config = {**computed_config(card), "torch_dtype": _DTYPE_NAMES[dtype]}
+        # Both names transformers has read the weights' dtype by, whatever the source's config said.
+        config = {**computed_config(card), "torch_dtype": _DTYPE_NAMES[dtype], "dtype": _DTYPE_NAMES[dtype]}
         write_synced(partial / "config.json", json.dumps(config, indent=2) + "\n")
         _move_into(folder, partial)
     except NotFinite as error:
