@@ -100,12 +100,12 @@ def test_too_few_rows_for_the_held_out_split():
 
 
 def test_rows_for_the_steps_are_counted_before_the_first_step():
-    packed = sft.rows_for_steps(pack(examples(20), 16), steps=3, ranks=2)  # 2 examples a row: 10 rows
+    packed = sft.rows_for_run(pack(examples(20), 16), steps=3, ranks=2)  # 2 examples a row: 10 rows
     assert len(packed) == 6
-    assert raises(sft.rows_for_steps, pack(examples(20), 16), 6, 2) == (
+    assert raises(sft.rows_for_run, pack(examples(20), 16), 6, 2) == (
         "--steps 6 on 2 processes takes 12 packed rows (one a step on each), but the training rows pack into "
         "10 rows of --tokens 16: lower --steps (to 5 at most), lower --tokens, or give more rows")
-    assert "on 4 devices" in raises(sft.rows_for_steps, iter([]), 1, 4, "devices")
+    assert "on 4 devices" in raises(sft.rows_for_run, iter([]), 1, 4, None, "devices")
 
 
 def test_rows_for_the_steps_pack_no_more_than_they_need():
@@ -116,8 +116,28 @@ def test_rows_for_the_steps_pack_no_more_than_they_need():
             taken.append(example)
             yield example
 
-    sft.rows_for_steps(pack(counted(), 16), steps=2, ranks=2)
+    sft.rows_for_run(pack(counted(), 16), steps=2, ranks=2)
     assert len(taken) < 1000
+
+
+def saved_at(folder: Path, step: int, rows_consumed: int) -> Path:
+    checkpoint = folder / f"step-{step:08d}"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "MANIFEST.json").write_text(json.dumps({"step": step, "rows_consumed": rows_consumed}))
+    return folder
+
+
+@pytest.mark.parametrize("saved_ranks,ranks", [(2, 1), (1, 3), (4, 2)])
+def test_a_resumed_run_has_rows_for_its_steps_at_any_number_of_ranks(tmp_path, saved_ranks, ranks):
+    """The run saved at step 4 used 4 x saved_ranks rows of the one stream; the resumed run takes them and
+    one a rank for each of its 2 steps left, whatever its own number of ranks."""
+    folder = saved_at(tmp_path / "ckpt", 4, 4 * saved_ranks)
+    assert len(sft.rows_for_run(pack(examples(200), 16), 6, ranks, folder)) == 4 * saved_ranks + 2 * ranks
+    assert raises(sft.rows_for_run, pack(examples(2 * (4 * saved_ranks + 1)), 16), 6, ranks, folder) == (
+        f"--steps 6 on {ranks} processes takes {4 * saved_ranks + 2 * ranks} packed rows (one a step on each after "
+        f"the {4 * saved_ranks} that the run it resumes used (to step 4)), but the training rows pack into "
+        f"{4 * saved_ranks + 1} rows of --tokens 16: lower --steps (to {4 + 1 // ranks} at most), lower --tokens, "
+        f"or give more rows")
 
 
 def test_each_process_needs_a_held_out_row():

@@ -76,7 +76,8 @@ hosts.join()  # when started as one of several processes (machines): before any 
 mesh = default_mesh()  # every device; over several machines, a copy of the parts a machine
 training_rows, held_out_rows = sft.split_held_out(sft.alpaca_rows(args.data), args.held_out, args.data)
 # One packed row a device a step; each machine feeds its own devices.
-batches = sft.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, mesh.size, "devices")
+batches = sft.rows_for_run(pack(map(example, training_rows), TOKENS), args.steps, mesh.size, args.checkpoint,
+                          "devices")
 batches = own_rows(batches, mesh, batch=1)
 held_out = list(pack(map(example, held_out_rows), TOKENS))
 

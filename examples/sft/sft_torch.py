@@ -74,7 +74,7 @@ def example(row: dict) -> Example:
 
 training_rows, held_out_rows = sft.split_held_out(sft.alpaca_rows(args.data), args.held_out, args.data)
 # One packed row a process a step: the processes take turns over the batches.
-batches = sft.rows_for_steps(pack(map(example, training_rows), TOKENS), args.steps, world)
+batches = sft.rows_for_run(pack(map(example, training_rows), TOKENS), args.steps, world, args.checkpoint)
 held_out = sft.enough_held_out(pack(map(example, held_out_rows), TOKENS), world, args.held_out)
 
 model = nest.load(

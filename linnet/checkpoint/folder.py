@@ -211,6 +211,17 @@ def read_manifest(checkpoint: Path) -> dict:
     return json.loads((checkpoint / MANIFEST).read_text())
 
 
+def newest_manifest(folder: Path) -> dict | None:
+    """The manifest of the newest checkpoint in `folder` whose manifest reads, its files unchecked: cheap, for
+    planning a run (how many rows it resumes past), not for resuming it (`latest`). None where there is none."""
+    for checkpoint in _checkpoints(Path(folder)) if Path(folder).is_dir() else []:
+        try:
+            return read_manifest(checkpoint)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def find_problem(checkpoint: Path) -> str | None:
     """What is wrong with a checkpoint folder, or None."""
     manifest_path = checkpoint / MANIFEST

@@ -5,7 +5,7 @@ folder the trained weights go to.
 
     rows = alpaca_rows("data/tasks.jsonl")               # shuffled (seed 0), at most 8400
     training, held_out = split_held_out(rows, 200, "data/tasks.jsonl")
-    batches = rows_for_steps(pack(map(example, training), 4096), steps=30, ranks=world)
+    batches = rows_for_run(pack(map(example, training), 4096), steps=30, ranks=world, checkpoint="ckpt")
 
 Every check raises a `linnet.errors.UserError`, whose message names the examples' options (--held-out,
 --steps, --tokens, --warmup, --out) where one of them is what to change."""
@@ -24,10 +24,11 @@ from typing import TypeVar
 import numpy as np
 
 from linnet.checkpoint import storage
+from linnet.checkpoint.folder import newest_manifest
 from linnet.errors import UserError
 from linnet.data.packing import Row
 
-__all__ = ["alpaca_rows", "check_out_folder", "enough_held_out", "read_rows", "rows_for_steps", "split_held_out",
+__all__ = ["alpaca_rows", "check_out_folder", "enough_held_out", "read_rows", "rows_for_run", "split_held_out",
            "warmup_steps"]
 
 ALPACA = "tatsu-lab/alpaca"
@@ -105,15 +106,22 @@ def split_held_out(rows: list[T], held_out: int, source: str | None) -> tuple[li
     return rows[held_out:], rows[:held_out]
 
 
-def rows_for_steps(rows: Iterable[Row], steps: int, ranks: int, ranks_are: str = "processes") -> list[Row]:
-    """The first steps x ranks packed rows, one a rank a step, packing no more than that; or a UserError,
-    before the first step, that says how many there are and what to change."""
-    needed = steps * ranks
+def rows_for_run(rows: Iterable[Row], steps: int, ranks: int, checkpoint: str | os.PathLike | None = None,
+                 ranks_are: str = "processes") -> list[Row]:
+    """The packed rows of the whole run, one stream whatever the number of ranks (rank r of this run takes
+    rows[r::ranks]): those that the run `checkpoint` resumes from used already, at whatever number of ranks
+    it ran, then one a rank for each step left; packing no more than that. Or a UserError, before the first
+    step, that says how many there are and what to change."""
+    manifest = newest_manifest(Path(checkpoint)) if checkpoint is not None else None
+    done, used = (manifest["step"], manifest["rows_consumed"]) if manifest else (0, 0)
+    needed = used + max(0, steps - done) * ranks
     taken = list(itertools.islice(rows, needed))
     if len(taken) < needed:
-        raise UserError(f"--steps {steps} on {ranks} {ranks_are} takes {needed} packed rows (one a step on each), "
-                        f"but the training rows pack into {_rows(taken)}: lower --steps (to {len(taken) // ranks} "
-                        f"at most), lower --tokens, or give more rows")
+        resumed = f" after the {used} that the run it resumes used (to step {done})" if used else ""
+        most = (len(taken) - used) // ranks + done
+        raise UserError(f"--steps {steps} on {ranks} {ranks_are} takes {needed} packed rows (one a step on each"
+                        f"{resumed}), but the training rows pack into {_rows(taken)}: lower --steps (to "
+                        f"{max(most, 0)} at most), lower --tokens, or give more rows")
     return taken
 
 
