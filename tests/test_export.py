@@ -97,29 +97,39 @@ def test_the_config_names_the_dtype_written_whatever_the_source_said(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(folder, dtype="auto").dtype == torch.bfloat16
 
 
+def serving_files(folder: Path) -> list[str]:
+    """What a save writes beside the weights and their config for the tiny card: its tokenizer and
+    generation_config.json."""
+    write_hf_checkpoint(CARD, SHAPES, iter(random_tensors().items()), folder, torch.float32)
+    return sorted(p.name for p in folder.iterdir() if p.name not in ("config.json", "model.safetensors"))
+
+
 def test_a_new_save_replaces_the_weight_files_of_an_earlier_one(tmp_path):
+    serving = serving_files(tmp_path / "serving")
+    assert {"generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(serving)
     folder = tmp_path / "out"
     folder.mkdir()
     (folder / "README.md").write_text("mine")
     write_hf_checkpoint(CARD, SHAPES, iter(random_tensors().items()), folder, torch.float32, max_shard_size=200)
     write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(1).items()), folder, torch.float32)
-    assert sorted(weight_files(folder)) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(weight_files(folder)) == sorted(["README.md", "config.json", "model.safetensors", *serving])
     write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(2).items()), folder, torch.float32, max_shard_size=200)
     assert "model.safetensors" not in weight_files(folder) and "README.md" in weight_files(folder)
-    assert list(tmp_path.iterdir()) == [folder]
+    assert sorted(tmp_path.iterdir()) == [folder, tmp_path / "serving"]
 
 
 def test_a_save_keeps_the_folders_own_files_links_and_folders(tmp_path):
+    serving = serving_files(tmp_path / "serving")
     folder = tmp_path / "out"
     write_hf_checkpoint(CARD, SHAPES, iter(random_tensors().items()), folder, torch.float32, max_shard_size=200)
-    (folder / "tokenizer.json").write_text("{}")
+    (folder / "notes.txt").write_text("{}")
     (folder / "runs").mkdir()
     (folder / "runs" / "log.txt").write_text("step 1")
     (folder / "latest").symlink_to("runs")
     write_hf_checkpoint(CARD, SHAPES, iter(random_tensors(1).items()), folder, torch.float32)
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "latest", "model.safetensors", "runs",
-                                                         "tokenizer.json"]
-    assert (folder / "latest" / "log.txt").read_text() == "step 1" and (folder / "tokenizer.json").read_text() == "{}"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["config.json", "latest", "model.safetensors", "runs",
+                                                                "notes.txt", *serving])
+    assert (folder / "latest" / "log.txt").read_text() == "step 1" and (folder / "notes.txt").read_text() == "{}"
 
 
 def test_weights_of_two_saves_mixed_by_a_save_cut_short_are_refused_by_name(tmp_path, monkeypatch):
@@ -229,3 +239,31 @@ def test_a_key_the_card_leaves_to_its_family_is_written_as_the_model_computed_it
     assert "sliding_window" not in card.config
     config = computed_config(card)
     assert config["sliding_window"] is None and config["head_dim"] == 128 and config["hidden_act"] == "silu"
+
+
+def test_the_tiny_cards_output_folder_is_a_model_transformers_generates_with(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    model = nest.load("tiny-llama", generics={"Batch": 1, "MaxSeq": 16, "T": "f32"}, cast_dtype=True, trainable=True,
+                      weights="random")
+    folder = model.save_weights(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    assert loaded.dtype == torch.bfloat16 and tokenizer.chat_template
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    generation = GenerationConfig.from_pretrained(folder)
+    assert eot in (generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id])
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "reverse: red green"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = loaded.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+
+
+def test_a_card_without_a_tokenizer_writes_its_weights_and_says_so(tmp_path):
+    from hf_models import save_hf_llama
+
+    model = nest.load(save_hf_llama(tmp_path / "source"), generics={"Batch": 1, "MaxSeq": 16, "T": "f32"},
+                      cast_dtype=True, trainable=True)
+    with pytest.warns(UserWarning, match="no tokenizer written beside the weights: test-llama's"):
+        folder = model.save_weights(tmp_path / "out")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]

@@ -124,6 +124,7 @@ def write_hf_checkpoint(card: Card, shapes: dict[str, tuple[int, ...]], tensors:
         # Both names transformers has read the weights' dtype by, whatever the source's config said.
         config = {**computed_config(card), "torch_dtype": _DTYPE_NAMES[dtype], "dtype": _DTYPE_NAMES[dtype]}
         write_synced(partial / "config.json", json.dumps(config, indent=2) + "\n")
+        _write_tokenizer_and_generation_config(card, partial)
         _move_into(folder, partial)
     except NotFinite as error:
         raise NotFinite(f"no weights are written to {folder} (it keeps what it held): {error}") from error
@@ -161,6 +162,50 @@ def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterato
             del tensor, data  # before the next arrives: a gathered group's buffer goes with its last view
         f.flush()
         os.fsync(f.fileno())
+
+
+# Tokens that end a turn or a text in the shipped families' chat templates (Llama 3, Qwen, Mistral).
+END_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "</s>")
+
+
+def _write_tokenizer_and_generation_config(card: Card, partial: Path) -> None:
+    """What makes a weights folder a model that AutoTokenizer, generate and serving engines take as it is: the
+    card's tokenizer (its files and chat template) and generation_config.json, the source's where it has one,
+    else one whose eos_token_id holds every token that ends a turn in the tokenizer. Where the card has no
+    tokenizer to load, a warning says so and the folder holds the weights and their config alone."""
+    import warnings
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    source = card.weights.repo
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        warnings.warn(f"linnet: no tokenizer written beside the weights: {card.name}'s {source!r} has none to load "
+                      f"({str(error).splitlines()[0]})")
+        tokenizer = None
+    if tokenizer is not None:
+        tokenizer.save_pretrained(partial)
+    try:
+        generation = GenerationConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        generation = _generation_config(card, tokenizer)
+    generation.save_pretrained(partial)
+
+
+def _generation_config(card: Card, tokenizer):
+    """Generation settings from the card's config and its tokenizer: its end-of-turn tokens stop generation."""
+    from transformers import GenerationConfig
+
+    configured = card.config.get("eos_token_id")
+    ends = [] if configured is None else list(configured) if isinstance(configured, list) else [configured]
+    if tokenizer is not None:
+        vocabulary = tokenizer.get_vocab()
+        ends += [tokenizer.eos_token_id] + [vocabulary[token] for token in END_TOKENS if token in vocabulary]
+    ends = list(dict.fromkeys(end for end in ends if end is not None))
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    return GenerationConfig(bos_token_id=card.config.get("bos_token_id"), pad_token_id=pad,
+                            eos_token_id=ends[0] if len(ends) == 1 else ends or None)
 
 
 def _move_into(folder: Path, partial: Path) -> None:
