@@ -167,3 +167,27 @@ def test_a_folder_of_each_family_is_a_card(tmp_path, model_type):
     ids = tokens(json.loads((folder / "config.json").read_text())["vocab_size"])
     torch.testing.assert_close(nest.load(folder, generics=GENERICS, entry="logits")(ids),
                                transformers_logits(folder, ids), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("key,meant", [("rope_scalling", "rope_scaling"), ("hiden_act", "hidden_act")])
+def test_a_misspelled_card_key_is_refused_naming_the_card_the_key_and_the_one_meant(tmp_path, key, meant):
+    from linnet.cardlang import CardError
+
+    text = (CARDS_DIR / "tiny-llama.toml").read_text().replace('repo = "tokenizers/tiny"',
+                                                                f'repo = "{CARDS_DIR / "tokenizers" / "tiny"}"')
+    text = text.replace("rope_scaling =", f"{key} =") if key == "rope_scalling" else text + f'{key} = "silu"\n'
+    card = tmp_path / "misspelled.toml"
+    card.write_text(text)
+    line = next(n for n, written in enumerate(text.splitlines(), 1) if written.startswith(f"{key} ="))
+    with pytest.raises(CardError, match=rf"misspelled.toml:{line}: \[config\] {key} is not a setting llama.arch "
+                                        rf"reads \(did you mean {meant}\?\)"):
+        resolve(card).checked()
+
+
+def test_a_model_folders_config_keeps_the_keys_transformers_writes(tmp_path):
+    folder = Path(resolve(save_hf_llama(tmp_path / "hf")).weights.repo)
+    config = json.loads((folder / "config.json").read_text())
+    config["a_setting_of_a_newer_transformers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    card = resolve(folder)
+    assert {"initializer_range", "a_setting_of_a_newer_transformers"} <= set(card.config) and card.checked()

@@ -27,6 +27,14 @@ from linnet.errors import UserError
 CARDS_DIR = Path(__file__).parent
 _TOP_KEYS = {"name", "family", "weights", "config"}
 _WEIGHTS_KEYS = {"repo", "init"}
+# Keys of a config.json that no family computes with: generation and caching settings, bookkeeping, the
+# context length a model was published with (positions past it are computed all the same), and a window
+# that a family which does not read it refuses to use (Qwen's, used only with use_sliding_window).
+INERT_CONFIG_KEYS = frozenset({
+    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "torch_dtype",
+    "dtype", "transformers_version", "use_cache", "initializer_range", "pretraining_tp", "use_mrope",
+    "sliding_window", "max_window_layers",
+})
 
 
 class UnknownCard(UserError, KeyError):
@@ -62,14 +70,42 @@ class Card:
         return beside if beside.exists() else CARDS_DIR / f"{self.family}.arch"
 
     def checked(self) -> Checked:
-        """The family program checked against this card's own config (not the file's, if they differ)."""
+        """The family program checked against this card's own config (not the file's, if they differ). A .toml
+        card's [config] holds only keys that its family reads or INERT_CONFIG_KEYS: a misspelled key would
+        otherwise leave its setting to the family's default. A model folder's config.json keeps the many keys
+        transformers writes; the family refuses those it does not compute."""
         program = self.program_path
         try:
             source = program.read_text(encoding="utf-8")
         except OSError as error:
             raise CardError(str(self.path), None, f"family {self.family!r}: cannot read its program {program}: "
                                                   f"{error.strerror or error}") from None
-        return _checked(str(program), source, json.dumps(self.config, sort_keys=True, default=repr), str(self.path))
+        checked = _checked(str(program), source, json.dumps(self.config, sort_keys=True, default=repr), str(self.path))
+        if self.path.suffix == ".toml":
+            _check_config_keys(self, checked)
+        return checked
+
+
+def _check_config_keys(card: Card, checked: Checked) -> None:
+    read = {decl.config_key for decl in (*checked.program.dims.values(), *checked.program.consts.values())
+            if decl.config_key is not None}
+    known = read | INERT_CONFIG_KEYS
+    for key in card.config:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(read), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise CardError(str(card.path), _line_of(card.path, key),
+                            f"[config] {key} is not a setting {Path(checked.program.path).name} reads{hint}: "
+                            f"it would change nothing, and the setting meant would keep its default")
+
+
+def _line_of(path: Path, key: str) -> int | None:
+    """The line of a card file where `key = ...` is written, if it is found."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    return next((number for number, line in enumerate(lines, 1) if line.split("=")[0].strip() == key), None)
 
 
 def shipped() -> list[str]:
