@@ -26,7 +26,8 @@ LIMIT_S = 1800  # the longest test starts three torchruns of at most 600 s each
 
 
 def torchrun(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DRIVER), str(out), *extra]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DRIVER),
+               str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
@@ -54,7 +55,8 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tmp_path):
     for step, values in got.items():  # steps run twice (before the kill, after the resume) agree too
         assert all(v == expected[step][0] for v in values), (step, values, expected[step])
     for name, tensor in load_file(tmp_path / "whole" / "weights" / "model.safetensors").items():
-        torch.testing.assert_close(load_file(tmp_path / "crash" / "weights" / "model.safetensors")[name], tensor, rtol=0, atol=0)
+        resumed = load_file(tmp_path / "crash" / "weights" / "model.safetensors")[name]
+        torch.testing.assert_close(resumed, tensor, rtol=0, atol=0)
 
 
 HALF = 64
@@ -62,8 +64,8 @@ HALF = 64
 
 def halves(seed: int) -> list[Row]:
     rng = np.random.default_rng(seed)
-    examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 12)).tolist(), rng.integers(6, 512, rng.integers(2, 8)).tolist())
-                for _ in range(200)]
+    examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 12)).tolist(),
+                                 rng.integers(6, 512, rng.integers(2, 8)).tolist()) for _ in range(200)]
     return list(pack(examples, HALF))
 
 
@@ -75,7 +77,8 @@ def join(*parts: Row) -> Row:
             fields[key].append(getattr(part, key) + (offset if key == "segments" else 0))
         offset += part.segments.max() + 1
     pad = 2 * HALF - sum(len(p.tokens) for p in parts)
-    arrays = {k: np.concatenate(v + [np.zeros(pad, v[0].dtype) + (offset if k == "segments" else 0)]) for k, v in fields.items()}
+    arrays = {k: np.concatenate(v + [np.zeros(pad, v[0].dtype) + (offset if k == "segments" else 0)])
+              for k, v in fields.items()}
     return Row(**arrays, filled=sum(p.filled for p in parts))
 
 

@@ -66,7 +66,8 @@ def test_every_kind_of_damage_is_named(tmp_path):
     assert "not format 1" in problem_with(lambda m: {**m, "format": 99})
     assert "lists its files wrongly" in problem_with(lambda m: {**m, "files": ["state.bin"]})
     assert "lists its files wrongly" in problem_with(lambda m: {**m, "files": {"state.bin": 10}})
-    assert "other.bin is missing" in problem_with(lambda m: {**m, "files": {**m["files"], "other.bin": m["files"]["state.bin"]}})
+    assert "other.bin is missing" in problem_with(
+        lambda m: {**m, "files": {**m["files"], "other.bin": m["files"]["state.bin"]}})
     (checkpoint / cf.MANIFEST).write_text("{not json")
     assert "unreadable" in cf.find_problem(checkpoint)
     (checkpoint / cf.MANIFEST).write_text(json.dumps(manifest))

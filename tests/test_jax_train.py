@@ -7,6 +7,7 @@ another mesh too; and the trained weights load in transformers."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import warnings
@@ -23,9 +24,9 @@ from jax.sharding import Mesh
 from hf_models import BASE, LLAMA3_SCALING, write_card
 from linnet import nest
 from linnet.jax import shard
-import linnet.jax.train
-jax_train = sys.modules["linnet.jax.train"]  # the module: linnet.jax.train is also the function
 from linnet.data.packing import Example, pack
+
+jax_train = importlib.import_module("linnet.jax.train")  # the module: linnet.jax.train is also the function
 
 ROW = 64
 STEPS = 4
@@ -72,7 +73,7 @@ def reference(card, batches: list, rows_a_step: int, dtype: str = "f32", steps: 
     def global_loss(params, chunk):
         losses = [loss_packed(params, *(jnp.asarray(a)[None] for a in row)) for row in chunk]
         weights = [jnp.sum(jnp.asarray(row[4])) for row in chunk]
-        return sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+        return sum(loss * w for loss, w in zip(losses, weights)) / sum(weights)
 
     @jax.jit
     def step(params, state, chunk):
@@ -106,7 +107,8 @@ def assert_same_weights(actual, expected, tolerance):
     assert worst[0] < tolerance, f"{worst[1]} differs by {worst[0]:.2e}"
 
 
-@pytest.mark.parametrize("devices,batch,scan", [(1, 1, False), (2, 2, False), (3, 1, False), (4, 1, False), (3, 1, True)])
+@pytest.mark.parametrize("devices,batch,scan",
+                         [(1, 1, False), (2, 2, False), (3, 1, False), (4, 1, False), (3, 1, True)])
 def test_sharded_training_equals_one_device(card, devices, batch, scan):  # 3: every group padded
     batches = rows(STEPS * devices * batch)
     expected_params, expected_losses = reference(card, batches, devices * batch)
@@ -272,7 +274,8 @@ def test_layers_are_scanned_as_one_stacked_array(card, monkeypatch):
     back a flat array a layer. Adafactor (its moments factored per array) keeps the loop."""
     handed = []
     over_layers = shard.over_layers
-    monkeypatch.setattr(shard, "over_layers", lambda one_layer, x, layers: handed.append(layers) or over_layers(one_layer, x, layers))
+    monkeypatch.setattr(shard, "over_layers",
+                        lambda one_layer, x, layers: handed.append(layers) or over_layers(one_layer, x, layers))
     batches = rows(STEPS * 2)
     scanned_model = load(card)
     scanned = jax_train.train(scanned_model, batches, optimizer=adamw(), steps=STEPS, mesh=mesh(2), scan_layers=True,
@@ -399,8 +402,8 @@ def test_errors_name_the_problem(card, tmp_path):
     two_axes = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     with pytest.raises(ValueError, match=r"of two named \('replicate', 'shard'\) .* got axes \('data', 'model'\)"):
         jax_train.train(load(card), batches, optimizer=adamw(), steps=1, mesh=two_axes)
-    uncast = nest.load(card, backend="jax_source", entry="loss_packed", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"},
-                       weights="random")
+    uncast = nest.load(card, backend="jax_source", entry="loss_packed",
+                       generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, weights="random")
     with pytest.raises(ValueError, match="cast_dtype=True"):
         jax_train.train(uncast, batches, optimizer=adamw(), steps=1, mesh=mesh(1))
     model = load(card)

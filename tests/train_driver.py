@@ -34,7 +34,8 @@ args = parser.parse_args()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 rng = np.random.default_rng(0)
-examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 20)).tolist(), rng.integers(6, 512, rng.integers(2, 12)).tolist())
+examples = [Example.prompted(rng.integers(6, 512, rng.integers(3, 20)).tolist(),
+                             rng.integers(6, 512, rng.integers(2, 12)).tolist())
             for _ in range(400)]
 rows = list(pack(examples, 64))
 model = nest.load("tiny-llama", numerics="fast", generics={"Batch": 1, "MaxSeq": 64, "T": "f32"}, cast_dtype=True,

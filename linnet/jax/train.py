@@ -82,11 +82,10 @@ def train(
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input;
         with the fast numerics the loss's chunks too (prims_jax.cross_entropy_chunked).
     scan_layers: while training, hold the layers' parts (and their optimizer state) as one [Layers, part]
-        array and run them with `lax.scan`: one layer compiled once (the 1B's first step 9 s against 18 s
-        on an H200), and XLA free to pipeline a layer's gather and reduce-scatter under its neighbour's
-        compute. Off by default: on one H200 the scanned 1B step took 0.104 s and 32 GiB against the
-        loop's 0.085 s and 23 GiB, and the 8B's stacked f32 layers (26 GiB in one buffer) found no room;
-        not measured over several GPUs (benchmarks/NOTES.md). Kept to optimizers whose update of the
+        array and run them with `lax.scan`: one layer compiled once, and XLA free to pipeline a layer's
+        gather and reduce-scatter under its neighbour's compute. Off by default: on one GPU the scanned step
+        is slower and holds more, and the 8B's stacked layers find no room (docs/design/jax_speed.md, "Note:
+        why layers are not scanned by default"). Kept to optimizers whose update of the
         stacked layers equals their update of each (checked on a small tree first: Adafactor's factored
         moments and LAMB's trust ratio are per array, so those run the layers as a loop).
     checkpoint: a folder to resume from, and to save into every `checkpoint_every` steps (if given) and after
@@ -333,7 +332,8 @@ def _check_positions(row: Row, positions: int) -> None:
 def _attention_kernel(model: JaxModel, mesh: Mesh, segments: np.ndarray) -> int | None:
     """The fast attention's kernel for these rows (prims_jax.rows_kernel), chosen on the host, where it
     is a choice (fast numerics on a GPU): the step then holds no lax.switch, whose branch index XLA reads
-    back on the host, or runs as a conditional inside its command buffers (benchmarks/NOTES.md)."""
+    back on the host, or runs as a conditional inside its command buffers (docs/design/jax_speed.md, "Note:
+    the attention kernel chosen on the host")."""
     if model.numerics != "fast" or mesh.devices.flat[0].platform != "gpu":
         return None
     return prims_jax.rows_kernel(segments)

@@ -45,10 +45,9 @@ class TorchModel(LoadedModel):
 
     def layer_region_over(self, ranks: int, recompute: str) -> bool:
         """A layer's function compiled once for every layer rather than the layers unrolled, for a first
-        step that compiles sooner, over `ranks` ranks. On by default on one rank (8B, caches off: first
-        step 46 s against 80 s with "gather", 55 s against 91 s with "matmuls", the step the same within
-        1%; benchmarks/NOTES.md); LINNET_COMPILE_LAYERS_ONCE=0 turns it off,
-        =1 on over several ranks with recompute "full" (there 4.5% slower at 8B, so not the default).
+        step that compiles sooner, over `ranks` ranks. On by default on one rank, where the step is as
+        quick (docs/design/compile_time.md); LINNET_COMPILE_LAYERS_ONCE=0 turns it off, =1 on over several
+        ranks with recompute "full" (there slower, so not the default).
         Sharded over one rank, the region goes around the layer's checkpoint, so that a selective policy
         ("matmuls") sees the layer's own ops; over several, the checkpoint around the region. Refused
         where the backward gathers a layer's weights again (recompute "gather" or "matmuls" over several
@@ -71,7 +70,8 @@ class TorchModel(LoadedModel):
             # Communicating, the generated code's order is the schedule (linnet/sharding/schedule.py): inductor's
             # reordering for peak memory would move collectives' waits next to their launches.
             # With a layer compiled once, the pass also reorders the region's calls and reads saved
-            # activations after their buffers are reused (wrong gradients; benchmarks/NOTES.md).
+            # activations after their buffers are reused (wrong gradients; docs/design/compile_time.md,
+            # "Note: a region and inductor's reordering").
             communicates = self.sharding is not None and self.sharding.world > 1
             options = {"reorder_for_peak_memory": False} if communicates or self.layer_region else {}
             compiled = torch.compile(function, fullgraph=True, backend="inductor", options=options, dynamic=dynamic)
@@ -116,7 +116,8 @@ class TorchModel(LoadedModel):
 
         def draw(spec, std):
             tensor = torch.empty(spec.shape, dtype=self.weight_dtype, device=self.device)
-            return self._as_weight(tensor.fill_(1.0) if spec.init == "ones" else tensor.normal_(0.0, std, generator=generator))
+            drawn = tensor.fill_(1.0) if spec.init == "ones" else tensor.normal_(0.0, std, generator=generator)
+            return self._as_weight(drawn)
 
         return draw
 
@@ -155,7 +156,8 @@ class TorchModel(LoadedModel):
         check_dtype(dtype)
         shapes = {spec.checkpoint_name: spec.shape for spec in self.specs()}
         if self.sharding is None:
-            return write_hf_checkpoint(self.card, shapes, self.named_weights(), Path(path), dtype, max_shard_size=max_shard_size)
+            return write_hf_checkpoint(self.card, shapes, self.named_weights(), Path(path), dtype,
+                                       max_shard_size=max_shard_size)
         from linnet.torch.agree import together
         from linnet.torch.collectives import gathered_weights
 

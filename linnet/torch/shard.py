@@ -92,7 +92,8 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     if model.unusable is not None:
         raise RuntimeError(model.unusable)
     if getattr(model, "sharding", None) is not None:
-        raise RuntimeError(f"{model.card.name} is already sharded (over {model.sharding.world} ranks); fully_shard it once")
+        raise RuntimeError(f"{model.card.name} is already sharded (over {model.sharding.world} ranks); "
+                           "fully_shard it once")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs a process group: call torch.distributed.init_process_group first "
                            "(under torchrun, or with world_size=1 for one process)")
@@ -131,7 +132,8 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     return model
 
 
-def _groups(group: dist.ProcessGroup | None, mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, dist.ProcessGroup]:
+def _groups(group: dist.ProcessGroup | None,
+            mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, dist.ProcessGroup]:
     """(the group that shards, the group of replicas or None, the group of every rank) from fully_shard's arguments."""
     if mesh is None:
         group = group or dist.group.WORLD

@@ -142,7 +142,8 @@ class _Launched:
         """The step's record, over every rank (a collective: every rank reads its step together)."""
         seconds = clock.seconds(self.lap)  # the step is done: its loss is on the host
         (loss_sum,) = _all_reduce([float(self.loss) * self.local_weight])
-        return Step(self.step, loss_sum / max(self.total_weight, 1e-12), seconds, self.tokens, self.total_weight, self.lr)
+        loss = loss_sum / max(self.total_weight, 1e-12)
+        return Step(self.step, loss, seconds, self.tokens, self.total_weight, self.lr)
 
 
 def _problem(check) -> str | None:
@@ -158,7 +159,8 @@ def _check_model(model) -> None:
     _, world = _world()
     sharding = getattr(model, "sharding", None)
     if world > 1 and sharding is None:
-        raise RuntimeError(f"{world} processes but the model is not sharded: call linnet.torch.fully_shard(model) first")
+        raise RuntimeError(f"{world} processes but the model is not sharded: call linnet.torch.fully_shard(model) "
+                           "first")
     if sharding is not None and sharding.world * sharding.replicas != world:
         # The loss is the mean over every rank's row, and the rows are dealt over every rank.
         raise ValueError(f"train needs the model sharded over every one of the {world} processes; it is over "
@@ -298,7 +300,8 @@ def evaluate(model, batches: Iterable[Row]) -> float:
                                                         dist.ReduceOp.MAX)
     raise_together(problem, ranks_with_problems)
     blank = rows[0]
-    rows += [Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)] * (int(most) - len(rows))
+    weightless = Row(blank.tokens, blank.targets, blank.positions, blank.segments, 0 * blank.weights, 0)
+    rows += [weightless] * (int(most) - len(rows))
     loss_sum = weight_sum = 0.0
     for row in rows:
         weight = float(row.weights.sum())
