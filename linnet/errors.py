@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-__all__ = ["NotFinite", "ArgumentParser", "UserError", "at_least", "exit_on_user_error", "first_process"]
+__all__ = ["NotFinite", "positive_number", "ArgumentParser", "UserError", "at_least", "exit_on_user_error", "first_process"]
 
 EXIT_STATUS = 2  # as argparse's usage errors
 FIRST_SPEAKS_WITHIN = 15.0  # seconds another rank waits for the first to report the same mistake
@@ -125,3 +125,14 @@ def at_least(minimum: int):
         return value
 
     return whole_number
+
+
+def positive_number(text: str) -> float:
+    """An argparse `type`: a finite number above zero (a learning rate), or a message that says so."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value

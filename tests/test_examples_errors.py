@@ -21,7 +21,7 @@ import pytest
 from linnet import cards, nest
 from linnet.checkpoint import lock as folder_lock
 from linnet.recipes import sft
-from linnet.errors import ArgumentParser, UserError, at_least
+from linnet.errors import ArgumentParser, UserError, at_least, positive_number
 from linnet.data.packing import Example, pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,6 +228,48 @@ def test_option_mistakes_are_user_errors():
         with pytest.raises(UserError) as raised:
             parser.parse_args(given)
         assert str(raised.value) == expected
+
+
+@pytest.mark.parametrize("given", ["nan", "-1", "0", "inf", "x"])
+def test_a_learning_rate_that_is_not_a_finite_positive_number_is_refused_before_anything_is_built(given):
+    parser = ArgumentParser(prog="sft.py")
+    parser.add_argument("--lr", type=positive_number, default=1e-5)
+    assert parser.parse_args(["--lr", "3e-3"]).lr == 3e-3
+    expected = "expected a number, got 'x'" if given == "x" else f"must be a finite number above 0, got {given}"
+    assert raises(parser.parse_args, ["--lr", given]) == f"argument --lr: {expected} (see sft.py --help)"
+
+
+def test_a_resume_of_another_card_or_past_the_steps_is_refused_before_anything_is_built(tmp_path):
+    folder = saved_at(tmp_path / "ckpt", 100, 200)
+    manifest = folder / "step-00000100" / "MANIFEST.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "card": "tiny-llama"}))
+    sft.check_resume(folder, "tiny-llama", 120)
+    sft.check_resume(tmp_path / "none", "tiny-qwen3", 1)
+    assert raises(sft.check_resume, folder, "tiny-qwen3", 120) == (
+        f"--checkpoint {folder} holds a run of tiny-llama, not of --card tiny-qwen3: resume it with --card "
+        f"tiny-llama, or point --checkpoint at another folder")
+    assert raises(sft.check_resume, folder, "tiny-llama", 50) == (
+        f"--checkpoint {folder} is at step 100, past --steps 50: give --steps 100 or more to resume it, or point "
+        f"--checkpoint at another folder")
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
+    tokenizer = nest.tokenizer("tiny-llama")
+    sft.check_chat_template(tokenizer, "tiny-llama")
+    tokenizer.chat_template = None
+    assert raises(sft.check_chat_template, tokenizer, "base") .startswith("base's tokenizer has no chat template")
+
+
+def test_the_default_data_offline_is_one_line(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert raises(sft.alpaca_rows, None).startswith("no --data given, and the hub's tatsu-lab/alpaca cannot be read")
+
+
+def test_tokens_too_few_for_any_answer_are_refused():
+    """A chat's prompt runs to dozens of tokens: --tokens 2 packs the first steps' rows from prompts alone."""
+    chats = [Example.prompted(list(range(1, 41)), [4, 5, 6]) for _ in range(20)]
+    message = raises(sft.rows_for_run, pack(chats, 2), 3, 2)
+    assert message.startswith("--tokens 2 leaves no answer in the packed rows")
 
 
 def run_python(code: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

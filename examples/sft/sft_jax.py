@@ -29,7 +29,7 @@ import optax
 
 from linnet import nest
 from linnet.recipes import sft
-from linnet.errors import ArgumentParser, at_least, exit_on_user_error
+from linnet.errors import ArgumentParser, at_least, exit_on_user_error, positive_number
 from linnet.jax import hosts
 from linnet.jax.train import default_mesh, evaluate, own_rows, train
 from linnet.data.packing import Example, pack
@@ -46,7 +46,7 @@ parser.add_argument("--held-out", type=at_least(1), default=200, help="rows kept
 parser.add_argument("--steps", type=at_least(1), default=30)
 parser.add_argument("--warmup", type=at_least(0), default=None, help="steps of linear warm-up of the learning rate "
                     "(default 3, or --steps - 1 if fewer)")
-parser.add_argument("--lr", type=float, default=1e-5)
+parser.add_argument("--lr", type=positive_number, default=1e-5)
 parser.add_argument(
     "--no-remat", dest="remat", action="store_false", help="keep each layer for backward"
 )
@@ -59,7 +59,9 @@ TOKENS = args.tokens  # positions in a packed row
 warmup = sft.warmup_steps(args.warmup, args.steps)
 sft.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
 
+sft.check_resume(args.checkpoint, nest.resolve(args.card).name, args.steps)
 tokenizer = nest.tokenizer(args.card)
+sft.check_chat_template(tokenizer, args.card)
 
 
 def example(row: dict) -> Example:

@@ -23,7 +23,7 @@ import torch
 
 from linnet import nest
 from linnet.recipes import sft
-from linnet.errors import ArgumentParser, at_least, exit_on_user_error
+from linnet.errors import ArgumentParser, at_least, exit_on_user_error, positive_number
 from linnet.torch import fully_shard
 from linnet.torch.mesh import SHARDINGS, torchrun_mesh
 from linnet.torch.train import Example, cosine_schedule, evaluate, pack, train
@@ -40,7 +40,7 @@ parser.add_argument("--held-out", type=at_least(1), default=200, help="rows kept
 parser.add_argument("--steps", type=at_least(1), default=30)
 parser.add_argument("--warmup", type=at_least(0), default=None, help="steps of linear warm-up of the learning rate "
                     "(default 3, or --steps - 1 if fewer)")
-parser.add_argument("--lr", type=float, default=1e-5)
+parser.add_argument("--lr", type=positive_number, default=1e-5)
 parser.add_argument("--tokens", type=at_least(2), default=4096, help="positions in a packed row")
 parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps, and resume from it")
 parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
@@ -59,7 +59,9 @@ if cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
 sft.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
+sft.check_resume(args.checkpoint, nest.resolve(args.card).name, args.steps)
 tokenizer = nest.tokenizer(args.card)
+sft.check_chat_template(tokenizer, args.card)
 
 
 def example(row: dict) -> Example:

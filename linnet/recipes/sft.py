@@ -28,8 +28,8 @@ from linnet.checkpoint.folder import newest_manifest
 from linnet.errors import UserError
 from linnet.data.packing import Row
 
-__all__ = ["alpaca_rows", "check_out_folder", "enough_held_out", "read_rows", "rows_for_run", "split_held_out",
-           "warmup_steps"]
+__all__ = ["alpaca_rows", "check_chat_template", "check_out_folder", "check_resume", "enough_held_out", "read_rows",
+           "rows_for_run", "split_held_out", "warmup_steps"]
 
 ALPACA = "tatsu-lab/alpaca"
 ALPACA_ROW = 'a JSON object with the strings "instruction", "output" and, optionally, "input"'
@@ -90,7 +90,12 @@ def alpaca_rows(path: str | None, *, seed: int = 0, most: int = 8400) -> list[di
     if path is None:
         from datasets import load_dataset
 
-        rows = load_dataset(ALPACA, split="train").to_list()
+        try:
+            rows = load_dataset(ALPACA, split="train").to_list()
+        except (OSError, ConnectionError, ValueError) as error:  # offline, and not in the local cache
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise UserError(f"no --data given, and the hub's {ALPACA} cannot be read ({reason}): give --data a "
+                            f"JSON-lines file of alpaca rows, or download {ALPACA} first") from None
     else:
         rows = read_rows(path)
     order = np.random.default_rng(seed).permutation(len(rows))[:most]
@@ -116,6 +121,9 @@ def rows_for_run(rows: Iterable[Row], steps: int, ranks: int, checkpoint: str | 
     done, used = (manifest["step"], manifest["rows_consumed"]) if manifest else (0, 0)
     needed = used + max(0, steps - done) * ranks
     taken = list(itertools.islice(rows, needed))
+    if taken and not any(row.weights.any() for row in taken):
+        raise UserError(f"--tokens {len(taken[0].tokens)} leaves no answer in the packed rows: each row is a piece "
+                        f"of a prompt, with nothing to learn: raise --tokens to hold at least one whole example")
     if len(taken) < needed:
         resumed = f" after the {used} that the run it resumes used (to step {done})" if used else ""
         most = (len(taken) - used) // ranks + done
@@ -123,6 +131,27 @@ def rows_for_run(rows: Iterable[Row], steps: int, ranks: int, checkpoint: str | 
                         f"{resumed}), but the training rows pack into {_rows(taken)}: lower --steps (to "
                         f"{max(most, 0)} at most), lower --tokens, or give more rows")
     return taken
+
+
+def check_resume(checkpoint: str | os.PathLike | None, card_name: str, steps: int) -> None:
+    """Before anything is built: a run that would resume from `checkpoint` is of the same card, and asks for
+    at least the steps its newest checkpoint has taken (what the training loop refuses, once compiled)."""
+    manifest = newest_manifest(Path(checkpoint)) if checkpoint is not None else None
+    if manifest is None:
+        return
+    if manifest.get("card") not in (None, card_name):
+        raise UserError(f"--checkpoint {checkpoint} holds a run of {manifest['card']}, not of --card {card_name}: "
+                        f"resume it with --card {manifest['card']}, or point --checkpoint at another folder")
+    if manifest["step"] > steps:
+        raise UserError(f"--checkpoint {checkpoint} is at step {manifest['step']}, past --steps {steps}: give "
+                        f"--steps {manifest['step']} or more to resume it, or point --checkpoint at another folder")
+
+
+def check_chat_template(tokenizer, card_name: str) -> None:
+    """The examples write each row as a chat: the card's tokenizer must have a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{card_name}'s tokenizer has no chat template, and the examples write each row as a "
+                        f"chat: use an instruct card, or a tokenizer folder whose tokenizer_config.json has one")
 
 
 def enough_held_out(rows: Iterable[Row], ranks: int, held_out: int) -> list[Row]:
