@@ -28,7 +28,8 @@ import signal
 import sys
 import time
 
-__all__ = ["NotFinite", "positive_number", "ArgumentParser", "UserError", "at_least", "exit_on_user_error", "first_process"]
+__all__ = ["NotFinite", "positive_number", "ArgumentParser", "UserError",
+           "at_least", "exit_on_user_error", "first_process"]
 
 EXIT_STATUS = 2  # as argparse's usage errors
 FIRST_SPEAKS_WITHIN = 15.0  # seconds another rank waits for the first to report the same mistake
