@@ -15,6 +15,11 @@ address. `linnet.torch.train` then asks `lost_ranks` which peers' heartbeats hav
 time) and raises `RanksLost`, naming them and their machine, instead of the collective's error.
 
     LINNET_STALL_TIMEOUT=600 torchrun ...    # seconds (default 300); 0 turns the watchdog off
+
+Under torchrun a rank also watches its launcher: torchrun's agent stops its workers when it is stopped,
+but one killed outright (SIGKILL, out of memory) cannot, and its workers would train on, writing
+checkpoints, with nobody to stop them. From `fully_shard` on, a thread of each such rank looks at its
+parent every LAUNCHER_POLL seconds; once the agent is gone, the rank says so and exits.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT = 300.0
 FAKE_BACKENDS = {"fake", "sim"}  # torch's FakeProcessGroup, and benchmarks/sim_world.py's timed one
 DONE = "done"
+LAUNCHER_POLL = 2.0  # seconds between a rank's looks at its torchrun agent
+LAUNCHER_GONE_STATUS = 1
+
+_launcher_watched = False
 
 _watching: dict[str, _Watchdog] = {}  # group name -> its watchdog
 
@@ -53,7 +62,9 @@ def stall_timeout(timeout: float | None = None) -> float:
 
 
 def watch(group: dist.ProcessGroup, timeout: float | None = None) -> None:
-    """Starts the watchdog of `group` on this rank (once a group; every rank of it should)."""
+    """Starts the watchdog of `group` on this rank (once a group; every rank of it should), and under torchrun
+    the watch of its launcher (`watch_launcher`)."""
+    watch_launcher()
     timeout = stall_timeout(timeout)
     if timeout == 0 or dist.get_world_size(group) == 1 or group.group_name in _watching:
         return
@@ -67,6 +78,27 @@ def watch(group: dist.ProcessGroup, timeout: float | None = None) -> None:
     _watching[group.group_name] = watchdog
     watchdog.thread = threading.Thread(target=watchdog.run, name=f"linnet-watchdog-{group.group_name}", daemon=True)
     watchdog.thread.start()
+
+
+def watch_launcher(poll: float = LAUNCHER_POLL) -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), once a process: a daemon thread that ends this process, naming
+    the reason, when the torchrun agent that started it is gone (its parent changes)."""
+    global _launcher_watched
+    if _launcher_watched or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    _launcher_watched = True
+    agent = os.getppid()
+
+    def look() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll)
+        rank = os.environ.get("RANK", "?")
+        sys.__stderr__.write(f"linnet: rank {rank} ends: its torchrun agent (process {agent}) is gone, so nothing "
+                             f"would stop this run; start it again to resume from its last checkpoint\n")
+        sys.__stderr__.flush()
+        os._exit(LAUNCHER_GONE_STATUS)
+
+    threading.Thread(target=look, name="linnet-launcher-watch", daemon=True).start()
 
 
 def from_communication(error: BaseException) -> bool:
