@@ -305,7 +305,8 @@ def test_another_rank_lets_the_first_speak():
     assert time.monotonic() - started < 60
 
 
-TAKE = ("from pathlib import Path\nfrom linnet import folder_lock\nfrom linnet.errors import exit_on_user_error\n"
+TAKE = ("from pathlib import Path\nfrom linnet.checkpoint import lock as folder_lock\n"
+        "from linnet.errors import exit_on_user_error\n"
         "exit_on_user_error()\nfolder_lock.take(Path({!r}))\n")
 
 

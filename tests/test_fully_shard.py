@@ -245,10 +245,11 @@ def products_policy_decisions(rank: int, world: int, card, recompute: str) -> tu
     """What the "matmuls" policy decided for each op of one step's forward, and the ops its backward ran."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from linnet.torch import fully_shard, recompute
+    from linnet.torch import fully_shard
+    from linnet.torch import recompute as policies
 
     decisions, backward_ops = {}, set()
-    policy = recompute._products_policy
+    policy = policies._products_policy
 
     def recording(ctx, func, *args, **kwargs):
         decision = policy(ctx, func, *args, **kwargs)
@@ -260,7 +261,7 @@ def products_policy_decisions(rank: int, world: int, card, recompute: str) -> tu
             backward_ops.add(str(func))
             return func(*args, **(kwargs or {}))
 
-    recompute._products_policy = recording
+    policies._products_policy = recording
     model = fully_shard(load(card), recompute=recompute)
     data = rows(world)[rank]
     loss = model.loss_packed(*row_tensors(data))
