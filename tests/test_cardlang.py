@@ -11,6 +11,8 @@ from linnet.cardlang.errors import GenericsError
 from linnet.cards import CARDS_DIR, resolve
 from linnet.cardlang.generics import bind_generics
 
+pytestmark = pytest.mark.quick
+
 LLAMA = (CARDS_DIR / "llama.arch").read_text()
 CONFIG = resolve("tiny-llama").config
 

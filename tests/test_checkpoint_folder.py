@@ -12,6 +12,8 @@ import pytest
 
 from linnet.checkpoint import folder as cf
 
+pytestmark = pytest.mark.quick
+
 LIMIT_S = 60  # seconds a test here may take (tests/conftest.py's bounded)
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from linnet.cli import main
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.mark.parametrize("argv, expected", [
     (["torch", "tiny-lama"], "unknown card 'tiny-lama' (did you mean 'tiny-llama'?): give a shipped card's name ("),

@@ -16,6 +16,8 @@ from linnet.sharding.schedule import Schedule
 from linnet.emit.source import emit
 from linnet.emit.torch_backend import TORCH
 
+pytestmark = pytest.mark.quick
+
 GENERICS = {"Batch": 1, "MaxSeq": 4096, "T": "bf16"}
 LLAMA = (CARDS_DIR / "llama.arch").read_text()
 

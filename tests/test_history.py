@@ -1,6 +1,10 @@
 """What a training run reports: the median step the examples print, whatever was left to run."""
 
+import pytest
+
 from linnet.history import History, Step
+
+pytestmark = pytest.mark.quick
 
 
 def steps(*seconds: float) -> list[Step]:

@@ -10,8 +10,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 import ast
 from pathlib import Path
+
+pytestmark = pytest.mark.quick
 
 PACKAGE = Path(__file__).resolve().parents[1] / "linnet"
 WINGS = ("linnet.torch", "linnet.jax")

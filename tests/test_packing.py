@@ -12,6 +12,8 @@ import pytest
 from linnet.cardlang.parse import parse_program
 from linnet.data.packing import LOSS_PACKED_INPUTS, Example, fill_ratio, pack, stack_rows
 
+pytestmark = pytest.mark.quick
+
 DATA = Path(__file__).parents[1] / "examples" / "sft" / "data" / "tasks.jsonl"
 
 

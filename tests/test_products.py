@@ -18,6 +18,8 @@ from linnet.emit.torch_backend import TORCH
 from linnet.sharding.layout import GroupLayout
 from linnet.torch.collectives import _linears, _pieces
 
+pytestmark = pytest.mark.quick
+
 GENERICS = {"Batch": 1, "MaxSeq": 4096, "T": "bf16"}
 LLAMA = (CARDS_DIR / "llama.arch").read_text()
 QKV = "h_q_proj, h_k_proj, h_v_proj = linears(h, w, ('q_proj', 'k_proj', 'v_proj'))"

@@ -11,6 +11,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from linnet.data.synthetic_tasks import generate, messages
 
+pytestmark = pytest.mark.quick
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "linnet" / "cards" / "tokenizers" / "tiny"
 TASKS = REPO / "examples" / "sft" / "data" / "tasks.jsonl"

@@ -5,6 +5,8 @@ need a GPU; these are written by hand."""
 
 from __future__ import annotations
 
+import pytest
+
 import gzip
 import json
 import subprocess
@@ -15,6 +17,8 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import trace_gaps  # noqa: E402
+
+pytestmark = pytest.mark.quick
 
 
 def write(path: Path, events: list[dict]) -> str:

@@ -14,6 +14,8 @@ from hf_models import load_hf, save_hf_llama, write_card, BASE
 from linnet import nest
 from linnet.cards import resolve
 
+pytestmark = pytest.mark.quick
+
 GENERICS = {"Batch": 1, "MaxSeq": 32, "T": "f32"}
 TOKENS = torch.randint(0, 211, (1, 20), generator=torch.Generator().manual_seed(2))
 
