@@ -209,14 +209,15 @@ def _generation_config(card: Card, tokenizer):
 
 
 def _move_into(folder: Path, partial: Path) -> None:
-    """Moves the finished files in, the config and the index last, then removes the weight files of an
+    """Moves the finished files in, the index and the config last, then removes the weight files of an
     earlier save that they did not replace. Until the removal a reader finds a whole save: transformers
     takes model.safetensors before an index, and an earlier save's files stay until the new ones are in.
     Where the two saves share file names, a crash among the renames (a moment, after minutes of
     writing) leaves some files of each: each file names its save, and linnet.hf.read refuses the mix."""
     folder.mkdir(parents=True, exist_ok=True)
     written = {path.name for path in partial.iterdir()}
-    for name in sorted(written, key=lambda n: (n == "config.json", n == INDEX)):
+    # The weight files first, then the tokenizer and generation config, the index and the config last.
+    for name in sorted(written, key=lambda n: (n == "config.json", n == INDEX, not _WEIGHT_FILE.fullmatch(n))):
         os.replace(partial / name, folder / name)
     for stale in folder.iterdir():
         if _WEIGHT_FILE.fullmatch(stale.name) and stale.name not in written and stale.is_file():
