@@ -71,4 +71,4 @@ def stop_unless_finite(step: Step, checkpointer, resumed_from: int) -> None:
         resume = (f"{checkpointer.folder} resumes from step {saved}" if saved
                   else f"{checkpointer.folder} holds no checkpoint of this run")
     raise NotFinite(f"step {step.step}: the loss is {step.loss}: training stops here and saves nothing of this "
-                    f"step; {resume}. Lower the learning rate, clip the gradients or check the data")
+                    f"step; {resume}. Lower the learning rate, or check the data")
