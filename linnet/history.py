@@ -58,16 +58,16 @@ class Progress:
               f"{left / 60:.1f} min left", file=sys.stderr, flush=True)
 
 
-def stop_unless_finite(step: Step, checkpointer, resumed_from: int) -> None:
+def stop_unless_finite(step: Step, checkpointer) -> None:
     """Raises NotFinite where `step`'s loss (the global mean: every rank sees the same) is inf or nan, naming
     the step and where the run can resume from: `checkpointer` (either wing's, or None) has `folder` and
-    `saved_step`, the step of the last checkpoint this run saved."""
+    `saved_step`, the step of the newest checkpoint there (0: none)."""
     if math.isfinite(step.loss):
         return
     if checkpointer is None:
         resume = "no checkpoint= was given, so the run cannot resume"
     else:
-        saved = max(resumed_from, checkpointer.saved_step or 0)
+        saved = checkpointer.saved_step
         resume = (f"{checkpointer.folder} resumes from step {saved}" if saved
                   else f"{checkpointer.folder} holds no checkpoint of this run")
     raise NotFinite(f"step {step.step}: the loss is {step.loss}: training stops here and saves nothing of this "

@@ -23,6 +23,7 @@ writes, and every machine resumes from it.
 """
 
 import argparse
+import functools
 
 import jax
 import optax
@@ -32,7 +33,7 @@ from linnet.recipes import sft
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error, positive_number
 from linnet.jax import hosts
 from linnet.jax.train import default_mesh, evaluate, own_rows, train
-from linnet.data.packing import Example, pack
+from linnet.data.packing import pack
 
 # A mistake in the options, the card or the data ends the run before it trains: one line, and exit
 # status 2 (tracebacks are for bugs).
@@ -63,15 +64,7 @@ sft.check_resume(args.checkpoint, nest.resolve(args.card).name, args.steps)
 tokenizer = nest.tokenizer(args.card)
 sft.check_chat_template(tokenizer, args.card)
 
-
-def example(row: dict) -> Example:
-    user = row["instruction"] + (f"\n\n{row['input']}" if row["input"] else "")
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
-    )
-    prompt = tokenizer(text, add_special_tokens=False)["input_ids"][-1024:]
-    answer = tokenizer(row["output"] + "<|eot_id|>", add_special_tokens=False)["input_ids"]
-    return Example.prompted(prompt, answer[: 2048 - len(prompt)])
+example = functools.partial(sft.alpaca_example, tokenizer)  # an alpaca row as a prompted Example
 
 
 hosts.join()  # when started as one of several processes (machines): before any device is used

@@ -17,6 +17,7 @@ On two machines of 8 GPUs (the same command on each; --sharding auto shards insi
 """
 
 import argparse
+import functools
 import os
 
 import torch
@@ -26,7 +27,7 @@ from linnet.recipes import sft
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error, positive_number
 from linnet.torch import fully_shard
 from linnet.torch.mesh import SHARDINGS, torchrun_mesh
-from linnet.torch.train import Example, cosine_schedule, evaluate, pack, train
+from linnet.torch.train import cosine_schedule, evaluate, pack, train
 
 # A mistake in the options, the card or the data ends the run before it trains: one line, from the
 # first process, and exit status 2 (tracebacks are for bugs).
@@ -63,15 +64,7 @@ sft.check_resume(args.checkpoint, nest.resolve(args.card).name, args.steps)
 tokenizer = nest.tokenizer(args.card)
 sft.check_chat_template(tokenizer, args.card)
 
-
-def example(row: dict) -> Example:
-    user = row["instruction"] + (f"\n\n{row['input']}" if row["input"] else "")
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
-    )
-    prompt = tokenizer(text, add_special_tokens=False)["input_ids"][-1024:]
-    answer = tokenizer(row["output"] + "<|eot_id|>", add_special_tokens=False)["input_ids"]
-    return Example.prompted(prompt, answer[: 2048 - len(prompt)])
+example = functools.partial(sft.alpaca_example, tokenizer)  # an alpaca row as a prompted Example
 
 
 training_rows, held_out_rows = sft.split_held_out(sft.alpaca_rows(args.data), args.held_out, args.data)

@@ -103,7 +103,7 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
         self.optimizer_settings, self.devices = optimizer_settings, devices
         self.hyperparameters: dict[str, float] | None = None  # this run's injected ones, before a resume
         self.manifest: dict | None = None
-        self.saved_step: int | None = None  # the step of the last checkpoint this run saved
+        self.saved_step = 0  # the step of the newest checkpoint in the folder: saved by this run, or resumed
         self.known: dict[str, str | None] = {}  # what was found of the folder's checkpoints
         self.writer = writer  # False: a process that resumes from the folder but leaves it to the first to write
         self.lock = folder_lock.take(self.folder) if writer else None
@@ -171,6 +171,7 @@ class JaxCheckpointer(folder_lock.HoldsFolder):
         now = f", now {self.devices}" if self.devices is not None else ""
         resume_check.print_resumed(f"resuming from {folder} (step {manifest['step']}, saved on "
                                    f"{manifest['devices']} devices{now})", notes)
+        self.saved_step = manifest["step"]
         return manifest["step"], parts, opt_state
 
     def _check_same_model(self, folder: Path, manifest: dict, parts) -> None:

@@ -173,7 +173,7 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state))
             history.steps.append(record)
             report(record)
-            stop_unless_finite(record, checkpointer, history.resumed_from)
+            stop_unless_finite(record, checkpointer)
             if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
                 _on_every_process(f"saving a checkpoint into {checkpointer.folder}", lambda: checkpointer.save(
                     step, parts, opt_state, rows_consumed=rows_consumed, devices=mesh.size))

@@ -26,10 +26,10 @@ import numpy as np
 from linnet.checkpoint import storage
 from linnet.checkpoint.folder import newest_manifest
 from linnet.errors import UserError
-from linnet.data.packing import Row
+from linnet.data.packing import Example, Row
 
-__all__ = ["alpaca_rows", "check_chat_template", "check_out_folder", "check_resume", "enough_held_out", "read_rows",
-           "rows_for_run", "split_held_out", "warmup_steps"]
+__all__ = ["alpaca_example", "alpaca_rows", "check_chat_template", "check_out_folder", "check_resume",
+           "enough_held_out", "read_rows", "rows_for_run", "split_held_out", "warmup_steps"]
 
 ALPACA = "tatsu-lab/alpaca"
 ALPACA_ROW = 'a JSON object with the strings "instruction", "output" and, optionally, "input"'
@@ -100,6 +100,18 @@ def alpaca_rows(path: str | None, *, seed: int = 0, most: int = 8400) -> list[di
         rows = read_rows(path)
     order = np.random.default_rng(seed).permutation(len(rows))[:most]
     return [rows[index] for index in order]
+
+
+def alpaca_example(tokenizer, row: dict) -> Example:
+    """An alpaca row as the examples train on it: the instruction (and input) as a user turn in the tokenizer's
+    chat template, the loss on the output and its end-of-turn token; at most 1,024 prompt tokens, 2,048 in all."""
+    user = row["instruction"] + (f"\n\n{row['input']}" if row["input"] else "")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"][-1024:]
+    answer = tokenizer(row["output"] + "<|eot_id|>", add_special_tokens=False)["input_ids"]
+    return Example.prompted(prompt, answer[: 2048 - len(prompt)])
 
 
 def split_held_out(rows: list[T], held_out: int, source: str | None) -> tuple[list[T], list[T]]:

@@ -87,7 +87,7 @@ class Checkpointer(folder_lock.HoldsFolder):
                       for group in optimizer.param_groups]
         self.fresh_schedule = copy.deepcopy(schedule.state_dict()) if schedule is not None else None
         self.manifest: dict | None = None
-        self.saved_step: int | None = None  # the step of the last checkpoint this run saved
+        self.saved_step = 0  # the step of the newest checkpoint in the folder: saved by this run, or resumed
         self.known: dict[str, str | None] = {}  # the first rank's findings on the folder's checkpoints
         self.lock = first_rank_does(lambda: folder_lock.take(self.folder), f"take checkpoint folder {self.folder}")
 
@@ -179,6 +179,7 @@ class Checkpointer(folder_lock.HoldsFolder):
             resume_check.print_resumed(f"resuming from {folder} (step {manifest['step']}, saved by "
                                        f"{manifest['world']} ranks, now {world})",
                                        notes + _quiet_differences(manifest, self.model))
+        self.saved_step = manifest["step"]
         return manifest["step"]
 
     def _newest(self) -> str | None:

@@ -16,8 +16,6 @@ from linnet.model import LoadedModel
 from linnet.torch import ops  # noqa: F401  registers torch.ops.linnet (prims_torch.cross_entropy_in_one_op calls it)
 from linnet.torch.compile_once import schemas_once
 
-TORCH_DTYPES = DTYPES
-
 
 class TorchModel(LoadedModel):
     backend = TORCH
@@ -31,7 +29,7 @@ class TorchModel(LoadedModel):
         self.late_parts = None  # set by fully_shard with replicas: the parts reduced last (linnet/torch/hybrid.py)
         self.stepping = None  # an optimizer stepping in the backward, while it does (linnet/torch/step_in_backward.py)
         self.unusable: str | None = None  # why, where a fully_shard failed after it began to change the model
-        self.compute_dtype = TORCH_DTYPES[generics[checked.program.compute_dtype]]
+        self.compute_dtype = DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
         super().__init__(card, checked, generics=generics, numerics=numerics, cast_dtype=cast_dtype, entries=entries)
 

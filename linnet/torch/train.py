@@ -247,7 +247,7 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
             history.steps.append(launched.record(clock))
             report(history.steps[-1])
             launched = None
-            stop_unless_finite(history.steps[-1], checkpointer, history.resumed_from)
+            stop_unless_finite(history.steps[-1], checkpointer)
 
     for step in range(history.resumed_from + 1, steps + 1):
         row = next(rows, None)
