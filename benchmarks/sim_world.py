@@ -46,9 +46,12 @@ SIM_WORLD), and the CPU and CUDA kernels of the c10d dispatcher ops (c10d::_allg
 _reduce_scatter_base_, allreduce_, ...) are replaced in this process by Python ones, so calls that
 reach them from Python (torch.distributed, FSDP2) or from C++ (Linnet's collectives) are timed
 alike. A Python subclass of ProcessGroup would serve only the Python API: the dispatcher ops look
-up a C++ backend, which Python cannot subclass. Outputs keep whatever memory held; a SUM through
-torch.distributed.all_reduce multiplies by the world (as fake_world.py does), so code counting
-ranks sees every rank; Linnet's check that a cuda model has an nccl group is skipped. Each
+up a C++ backend, which Python cannot subclass. Every simulated rank holds rank 0's values: an
+all-gather copies its input into every slot and a reduce-scatter keeps rank 0's share, so a run
+stays finite (Linnet stops at a non-finite loss) and its loss is that of a world of equal ranks;
+the copy runs before the modelled time on the same lane, so a collective lasts both, and its
+writes take memory bandwidth as NCCL's do. A SUM through torch.distributed.all_reduce multiplies
+by the world (as fake_world.py does), so code counting ranks sees every rank; Linnet's check that a cuda model has an nccl group is skipped. Each
 collective returns a c10d Work wrapping a torch Future:
   * CUDA: one high-priority side stream per device and link (calls on it run one after another)
     waits for the caller's current stream, sleeps (torch.cuda._sleep, cycles a second calibrated
@@ -121,7 +124,8 @@ class _CpuLane:
         self._thread = threading.Thread(target=self._run, name="sim-world-comm", daemon=True)
         self._thread.start()
 
-    def issue(self, seconds: float, value: list, tensors: list) -> torch.futures.Future:
+    def issue(self, seconds: float, value: list, tensors: list, fill) -> torch.futures.Future:
+        fill()
         future = torch.futures.Future()
         with self._lock:
             self._free_at = max(time.perf_counter(), self._free_at) + seconds
@@ -175,11 +179,12 @@ class _CudaLane:
                 rates.append(2 * n / ((b.elapsed_time(c) - a.elapsed_time(b)) / 1e3))
         return statistics.median(rates)
 
-    def issue(self, seconds: float, value: list, tensors: list) -> torch.futures.Future:
+    def issue(self, seconds: float, value: list, tensors: list, fill) -> torch.futures.Future:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for t in tensors:  # their memory is not reused before the collective ends, as with NCCL's
             t.record_stream(self.stream)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            fill()  # before the sleep, outside its timing: the sleep is the modelled time
             if seconds > 0:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -248,9 +253,10 @@ class Sim:
         gbps = self.bus_gbps if self.link(ranks) == "machine" else self.net_gbps
         return model_seconds(kind, nbytes, world, gbps, self.latency_us * 1e-6)
 
-    def issue(self, kind: str, nbytes: int, world: int, outputs: list, tensors: list, ranks: list[int] | None = None):
+    def issue(self, kind: str, nbytes: int, world: int, outputs: list, tensors: list, ranks: list[int] | None = None,
+              fill=lambda: None):
         """Times one collective among `ranks` (of `world` ranks) whose results are `outputs` (of all its
-        `tensors`); returns its c10d Work, boxed for the dispatcher."""
+        `tensors`, written by `fill`); returns its c10d Work, boxed for the dispatcher."""
         seconds = self.duration(kind, nbytes, world, ranks)
         device = outputs[0].device if outputs else torch.device("cpu")
         link = self.link(ranks)
@@ -260,7 +266,7 @@ class Sim:
             self.seconds[kind] += seconds
             self.link_seconds[link] += seconds
             lane = self._lane(device, link)
-            future = lane.issue(seconds, outputs, tensors)
+            future = lane.issue(seconds, outputs, tensors, fill)
         return torch._C._distributed_c10d._create_work_from_future(future).boxed()
 
     def _lane(self, device: torch.device, link: str):
@@ -317,8 +323,11 @@ class Sim:
 
 
 # --- the c10d kernels -------------------------------------------------------------------------
-# Each takes the op's arguments by name (from its schema: trailing defaults may be left out) and
-# returns (kind, bytes of the full buffer, the outputs the Work completes with).
+# Each takes the op's arguments by name (from its schema: trailing defaults may be left out) and the
+# group's size, and returns (kind, bytes of the full buffer, the outputs the Work completes with, the
+# fill that writes them). Every simulated rank holds rank 0's values: an all-gather writes its input
+# into every rank's slot, a reduce-scatter writes rank 0's share of its input (as AVG over equal
+# ranks would). So results are finite, and the writes take memory bandwidth as NCCL's do.
 
 def _group_of(args: dict, sim: Sim) -> tuple[int, list[int] | None]:
     """The group's size and its ranks (None where they cannot be found: then one machine's)."""
@@ -332,41 +341,66 @@ def _group_of(args: dict, sim: Sim) -> tuple[int, list[int] | None]:
         return group.size(), None
 
 
-def _allgather_base(a):
-    return "all_gather", _nbytes([a["output_tensor"]]), [a["output_tensor"]]
+def _gather_into(output: torch.Tensor, input: torch.Tensor, world: int) -> None:
+    """Every slot of `output` becomes `input` (slot 0 may be `input` itself, as FSDP2 passes it)."""
+    slots, source = output.view(world, -1), input.reshape(-1)
+    if slots[0].data_ptr() != source.data_ptr():
+        slots[0].copy_(source)
+    slots[1:].copy_(source.expand(world - 1, -1))
 
 
-def _reduce_scatter_base(a):
-    return "reduce_scatter", _nbytes([a["input_tensor"]]), [a["output_tensor"]]
+def _allgather_base(a, world):
+    output, input = a["output_tensor"], a["input_tensor"]
+    return "all_gather", _nbytes([output]), [output], lambda: _gather_into(output, input, world)
 
 
-def _allreduce(a):
-    return "all_reduce", _nbytes(a["tensors"]), list(a["tensors"])
+def _reduce_scatter_base(a, world):
+    output, input = a["output_tensor"], a["input_tensor"]
+    return "reduce_scatter", _nbytes([input]), [output], lambda: output.copy_(input.view(world, -1)[0].view_as(output))
 
 
-def _allgather(a):
+def _allreduce(a, world):
+    return "all_reduce", _nbytes(a["tensors"]), list(a["tensors"]), lambda: None
+
+
+def _allgather(a, world):
     outputs = _flat(a["output_tensors"])
-    return "all_gather", _nbytes(outputs), outputs
+
+    def fill():
+        for slots, input in zip(a["output_tensors"], a["input_tensors"]):
+            for slot in slots:
+                if slot.data_ptr() != input.data_ptr():
+                    slot.copy_(input)
+    return "all_gather", _nbytes(outputs), outputs, fill
 
 
-def _allgather_coalesced(a):
-    return "all_gather", _nbytes(a["outputs"]), list(a["outputs"])
+def _allgather_coalesced(a, world):
+    def fill():
+        for output, input in zip(a["outputs"], a["inputs"]):
+            _gather_into(output, input, world)
+    return "all_gather", _nbytes(a["outputs"]), list(a["outputs"]), fill
 
 
-def _reduce_scatter(a):
-    return "reduce_scatter", _nbytes(_flat(a["input_tensors"])), list(a["output_tensors"])
+def _reduce_scatter(a, world):
+    def fill():
+        for output, inputs in zip(a["output_tensors"], a["input_tensors"]):
+            output.copy_(inputs[0])
+    return "reduce_scatter", _nbytes(_flat(a["input_tensors"])), list(a["output_tensors"]), fill
 
 
-def _reduce_scatter_coalesced(a):
-    return "reduce_scatter", _nbytes(a["inputs"]), list(a["outputs"])
+def _reduce_scatter_coalesced(a, world):
+    def fill():
+        for output, input in zip(a["outputs"], a["inputs"]):
+            output.copy_(input.view(world, -1)[0].view_as(output))
+    return "reduce_scatter", _nbytes(a["inputs"]), list(a["outputs"]), fill
 
 
-def _broadcast(a):
-    return "broadcast", _nbytes(a["tensors"]), list(a["tensors"])
+def _broadcast(a, world):
+    return "broadcast", _nbytes(a["tensors"]), list(a["tensors"]), lambda: None
 
 
-def _barrier(a):
-    return "barrier", 0, [a["tensor"]]
+def _barrier(a, world):
+    return "barrier", 0, [a["tensor"]], lambda: None
 
 
 KERNELS = {
@@ -387,9 +421,9 @@ def _kernel(sim: Sim, handler, names: list[str], returns_tensors: bool):
     def kernel(*args, **kwargs):
         a = dict(zip(names, args), **kwargs)
         world, ranks = _group_of(a, sim)
-        kind, nbytes, outputs = handler(a)
+        kind, nbytes, outputs, fill = handler(a, world)
         tensors = [t for t in _flat(list(a.values())) if isinstance(t, torch.Tensor)]
-        work = sim.issue(kind, nbytes, world, outputs, tensors, ranks)
+        work = sim.issue(kind, nbytes, world, outputs, tensors, ranks, fill)
         return (args[0], work) if returns_tensors else work
     return kernel
 
