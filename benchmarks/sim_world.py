@@ -51,8 +51,8 @@ all-gather copies its input into every slot and a reduce-scatter keeps rank 0's 
 stays finite (Linnet stops at a non-finite loss) and its loss is that of a world of equal ranks;
 the copy runs before the modelled time on the same lane, so a collective lasts both, and its
 writes take memory bandwidth as NCCL's do. A SUM through torch.distributed.all_reduce multiplies
-by the world (as fake_world.py does), so code counting ranks sees every rank; Linnet's check that a cuda model has an nccl group is skipped. Each
-collective returns a c10d Work wrapping a torch Future:
+by the world (as fake_world.py does), so code counting ranks sees every rank; Linnet's check
+that a cuda model has an nccl group is skipped. Each collective returns a c10d Work wrapping a torch Future:
   * CUDA: one high-priority side stream per device and link (calls on it run one after another)
     waits for the caller's current stream, sleeps (torch.cuda._sleep, cycles a second calibrated
     once against CUDA events at the first collective, or SIM_CYCLES_PER_S) and completes the

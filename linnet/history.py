@@ -23,6 +23,7 @@ class Step:
     tokens: int  # positions in the global batch
     loss_tokens: float  # loss weight in the global batch (answer tokens, for prompted examples)
     lr: float  # NaN where the optimizer does not expose it (optax without inject_hyperparams)
+    grad_norm: float | None = None  # the global gradient norm before clipping; None where the run did not clip
 
 
 @dataclass
@@ -54,15 +55,20 @@ class Progress:
         self.last = now
         recent = sorted(self.seconds[-20:])[len(self.seconds[-20:]) // 2]
         left = recent * (self.steps - step.step)
-        print(f"step {step.step}/{self.steps}  loss {step.loss:.4f}  {step.tokens / recent:,.0f} tokens/s  "
+        norm = "" if step.grad_norm is None else f"  grad norm {step.grad_norm:.3f}"
+        print(f"step {step.step}/{self.steps}  loss {step.loss:.4f}{norm}  {step.tokens / recent:,.0f} tokens/s  "
               f"{left / 60:.1f} min left", file=sys.stderr, flush=True)
 
 
 def stop_unless_finite(step: Step, checkpointer) -> None:
-    """Raises NotFinite where `step`'s loss (the global mean: every rank sees the same) is inf or nan, naming
-    the step and where the run can resume from: `checkpointer` (either wing's, or None) has `folder` and
-    `saved_step`, the step of the newest checkpoint there (0: none)."""
-    if math.isfinite(step.loss):
+    """Raises NotFinite where `step`'s loss or gradient norm (global: every rank sees the same) is inf or
+    nan, naming the step, what was not finite and where the run can resume from: `checkpointer` (either
+    wing's, or None) has `folder` and `saved_step`, the step of the newest checkpoint there (0: none)."""
+    if not math.isfinite(step.loss):
+        what = f"the loss is {step.loss}"
+    elif step.grad_norm is not None and not math.isfinite(step.grad_norm):
+        what = f"the gradient norm is {step.grad_norm}"
+    else:
         return
     if checkpointer is None:
         resume = "no checkpoint= was given, so the run cannot resume"
@@ -70,5 +76,5 @@ def stop_unless_finite(step: Step, checkpointer) -> None:
         saved = checkpointer.saved_step
         resume = (f"{checkpointer.folder} resumes from step {saved}" if saved
                   else f"{checkpointer.folder} holds no checkpoint of this run")
-    raise NotFinite(f"step {step.step}: the loss is {step.loss}: training stops here and saves nothing of this "
+    raise NotFinite(f"step {step.step}: {what}: training stops here and saves nothing of this "
                     f"step; {resume}. Lower the learning rate, or check the data")

@@ -2,16 +2,22 @@
 
     results = run(fn, world=2, *args)   # [fn(rank, world, *args) for each rank]
 
-`fn` must be picklable (a module-level function). Each rank runs in a fresh
-process (the spawn start method), with the default process group initialised
-over Gloo on the loopback interface; the parent holds the rendezvous store on
-a port the system picks, so there is no port to race for. A rank's exception
-is raised again in the parent, chained to the rank's traceback; a run that
-outlasts `timeout` seconds is killed and fails rather than hanging the suite.
+`fn` must be picklable (a module-level function). The ranks are processes started with the spawn
+method, the default process group initialised over Gloo on the loopback interface; the parent holds
+the rendezvous store on a port the system picks, so there is no port to race for.
+
+The processes of a world size outlive a call: the next `run` at that size hands its function to the
+same ones, so a test pays neither their start nor their imports again (about 5 s a call on 2 cores),
+and torch's compile caches stay warm. They are replaced, not reused, after a call that fails, that
+ends or replaces the default process group, or that asks for `fresh=True` (a test that changes a
+process's settings, or measures it). A rank's exception is raised again in the parent, chained to
+the rank's traceback; a call that outlasts `timeout` seconds is killed and fails rather than hanging
+the suite.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import pickle
@@ -22,6 +28,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+GROUP_TIMEOUT = timedelta(minutes=10)  # a collective's; a call's own `timeout` is the parent's to enforce
+
 
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a rank, as text."""
@@ -30,77 +38,142 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
-def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
+def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo",
+        fresh: bool = False) -> list[Any]:
     """fn(rank, world, *args) in `world` processes over Gloo (or over NCCL, rank r on GPU r); returns the
-    results in rank order."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=_worker, args=(fn, rank, world, store.port, timeout, args, results, backend),
-                        daemon=True)
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    outcomes: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout
+    results in rank order. `fresh`: in processes that ran nothing before and run nothing after."""
+    key = (world, backend)
+    ranks = _ranks.pop(key, None)
+    if ranks is None or fresh:
+        if ranks is not None:
+            _ranks[key] = ranks  # kept for the calls after this one
+        ranks = _Ranks(world, backend)
     try:
-        while len(outcomes) < world:
-            try:
-                rank, kind, value = results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(outcomes))} of {world} did not "
-                                       f"finish within {timeout:.0f} s") from None
-                dead = [r for r, p in enumerate(processes) if r not in outcomes and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} of {world} died (exit code {processes[dead[0]].exitcode}) "
-                                       "without reporting a result") from None
-                continue
-            outcomes[rank] = (kind, value)
-            if kind == "error":
-                break
-    finally:
-        for process in processes:
-            process.join(timeout=5 if len(outcomes) == world else 0)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        results.close()
+        outcomes = ranks.call(fn, args, timeout)
+    except BaseException:
+        ranks.close()
+        raise
+    if fresh or any(kind != "ok" or retired for kind, _, retired in outcomes.values()):
+        ranks.close()
+    elif key in _ranks:
+        ranks.close()
+    else:
+        _ranks[key] = ranks
     for rank in sorted(outcomes):
-        kind, value = outcomes[rank]
+        kind, value, _ = outcomes[rank]
         if kind == "error":
             error, text = value
             raise error from RemoteTraceback(f"in rank {rank} of {world}:\n{text}")
     return [outcomes[rank][1] for rank in range(world)]
 
 
-def _worker(fn, rank, world, port, timeout, args, results, backend) -> None:
+class _Ranks:
+    """`world` processes, each in a loop of calls, and the store that joined them."""
+
+    def __init__(self, world: int, backend: str):
+        import torch.distributed as dist
+
+        self.world = world
+        self.store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=GROUP_TIMEOUT,
+                                   wait_for_workers=False)
+        context = multiprocessing.get_context("spawn")
+        self.calls = [context.Queue() for _ in range(world)]
+        self.results = context.Queue()
+        self.processes = [
+            context.Process(target=_serve, args=(rank, world, self.store.port, backend, self.calls[rank],
+                                                 self.results), daemon=True)
+            for rank in range(world)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def call(self, fn, args, timeout: float) -> dict[int, tuple[str, Any, bool]]:
+        for calls in self.calls:
+            calls.put((fn, args))
+        outcomes: dict[int, tuple[str, Any, bool]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < self.world:
+            try:
+                rank, kind, value, retired = self.results.get(
+                    timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                missing = sorted(set(range(self.world)) - set(outcomes))
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"ranks {missing} of {self.world} did not finish within "
+                                       f"{timeout:.0f} s") from None
+                dead = [r for r in missing if self.processes[r].exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} of {self.world} died (exit code "
+                                       f"{self.processes[dead[0]].exitcode}) without reporting a result") from None
+                continue
+            outcomes[rank] = (kind, value, retired)
+            if kind == "error":
+                break
+        return outcomes
+
+    def close(self) -> None:
+        for calls in self.calls:
+            calls.put(None)
+        for process in self.processes:
+            process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for q in (*self.calls, self.results):
+            q.close()
+
+
+_ranks: dict[tuple[int, str], _Ranks] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    while _ranks:
+        _ranks.popitem()[1].close()
+
+
+def _serve(rank, world, port, backend, calls, results) -> None:
+    """One rank: joins the group, then runs each call it is handed until told to stop (None), the group it
+    made is gone, or a call fails."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep the traffic on this machine
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
     import torch.distributed as dist
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=GROUP_TIMEOUT)
         device = None
         if backend == "nccl":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=GROUP_TIMEOUT,
                                 device_id=device)
-        try:
-            results.put((rank, "ok", fn(rank, world, *args)))
-        finally:
-            dist.destroy_process_group()
+        group = dist.group.WORLD
     except BaseException as error:  # noqa: BLE001  (sent to the parent, which raises it)
-        text = traceback.format_exc()
+        results.put((rank, "error", _sendable(error), True))
+        return
+    while (task := calls.get()) is not None:
+        fn, args = task
         try:
-            pickle.dumps(error)
-        except Exception:  # noqa: BLE001
-            error = RuntimeError(f"{type(error).__name__}: {error}")
-        results.put((rank, "error", (error, text)))
+            results.put((rank, "ok", fn(rank, world, *args), _retired(dist, group)))
+        except BaseException as error:  # noqa: BLE001
+            results.put((rank, "error", _sendable(error), True))
+            break
+        if _retired(dist, group):
+            break
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _retired(dist, group) -> bool:
+    """Whether the call ended or replaced the group this process joined: then it serves no more calls."""
+    return not dist.is_initialized() or dist.group.WORLD is not group
+
+
+def _sendable(error: BaseException) -> tuple[BaseException, str]:
+    text = traceback.format_exc()
+    try:
+        pickle.dumps(error)
+    except Exception:  # noqa: BLE001
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+    return error, text

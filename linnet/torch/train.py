@@ -1,12 +1,16 @@
-"""The PyTorch training loop: one packed row a process a step.
+"""The PyTorch training loop: `accumulate` packed rows a process a step.
 
-    history = train(model, iter(rows[rank::world]), optimizer=optimizer, steps=30,
-                    schedule=cosine_schedule(optimizer, 3, 30), checkpoint="ckpt", checkpoint_every=10)
+    history = train(model, iter(rows[rank::world]), optimizer=optimizer, steps=30, accumulate=2,
+                    max_grad_norm=1.0, schedule=cosine_schedule(optimizer, 3, 30),
+                    checkpoint="ckpt", checkpoint_every=10)
 
 The loss optimised and reported is the token-weighted mean over the whole
-global batch (every rank's row): each rank's mean is scaled by its share of
-the batch's loss weight, times the world size, before the backward, so the
-gradients the reduce-scatter averages over ranks are those of the global mean.
+global batch (every row of every rank): each row's mean is scaled by its share
+of the batch's loss weight, times the world size, before its backward, so the
+gradients the reduce-scatters average over ranks, summed over the rows, are
+those of the global mean. Clipping scales them by max_grad_norm over their
+global norm where that is larger, as torch.nn.utils.clip_grad_norm_ does over
+the whole unsharded model.
 
 On a GPU the host runs a step ahead: what the ranks agree on before a step
 travels on the CPU (agree.cpu_group), and a step's loss and time (CUDA events)
@@ -37,7 +41,8 @@ from linnet.data.packing import Example, Row, pack, stack_rows
 from linnet.torch.step_in_backward import stepping_in_backward, supported
 from linnet.torch.hybrid import backward_and_step
 
-__all__ = ["Example", "pack", "row_tensors", "cosine_schedule", "train", "evaluate", "History", "Step"]
+__all__ = ["Example", "pack", "row_tensors", "cosine_schedule", "clip_grad_norm", "train", "evaluate", "History",
+           "Step"]
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, floor: float = 0.0):
@@ -120,30 +125,57 @@ class _Clock:
 
 @dataclass
 class _Launched:
-    """A step whose work is launched, not yet read: its loss lands in `loss` when the device gets there."""
+    """A step whose work is launched, not yet read: its loss (and gradient norm) land on the host when the
+    device gets there."""
 
     step: int
-    loss: torch.Tensor  # this rank's mean loss, on the host (pinned on a GPU: copied without waiting)
-    local_weight: float
+    loss_sum: torch.Tensor  # this rank's rows' losses times their loss weights, summed (on the host)
+    grad_norm: torch.Tensor | None  # the global norm before clipping (on the host), where it was taken
     total_weight: float
     tokens: int
     lr: float
     lap: tuple
 
     @classmethod
-    def of(cls, loss: torch.Tensor, clock: _Clock, **fields) -> "_Launched":
-        """The step whose loss this is: its copy to the host launched, then the step's end marked."""
-        loss = loss.detach().float()
-        if loss.device.type == "cuda":
-            loss = torch.empty((), dtype=loss.dtype, pin_memory=True).copy_(loss, non_blocking=True)
-        return cls(loss=loss, lap=clock.lap(), **fields)
+    def of(cls, loss_sum: torch.Tensor, grad_norm: torch.Tensor | None, clock: _Clock, **fields) -> "_Launched":
+        """The step whose loss this is: its copies to the host launched, then the step's end marked."""
+        return cls(loss_sum=_to_host(loss_sum), grad_norm=None if grad_norm is None else _to_host(grad_norm),
+                   lap=clock.lap(), **fields)
 
     def record(self, clock: _Clock) -> Step:
         """The step's record, over every rank (a collective: every rank reads its step together)."""
         seconds = clock.seconds(self.lap)  # the step is done: its loss is on the host
-        (loss_sum,) = _all_reduce([float(self.loss) * self.local_weight])
+        (loss_sum,) = _all_reduce([float(self.loss_sum)])
         loss = loss_sum / max(self.total_weight, 1e-12)
-        return Step(self.step, loss, seconds, self.tokens, self.total_weight, self.lr)
+        grad_norm = None if self.grad_norm is None else float(self.grad_norm)
+        return Step(self.step, loss, seconds, self.tokens, self.total_weight, self.lr, grad_norm)
+
+
+def _to_host(value: torch.Tensor) -> torch.Tensor:
+    """A scalar's f32 copy on the host, launched without waiting (into pinned memory) from a GPU."""
+    value = value.detach().float()
+    if value.device.type == "cuda":
+        return torch.empty((), dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+    return value
+
+
+def clip_grad_norm(model, max_norm: float | None) -> torch.Tensor:
+    """The global norm of the gradients of every part on every rank, as one tensor on the model's device,
+    without waiting for it; with `max_norm`, the gradients are scaled by max_norm / (norm + 1e-6) where
+    that is below 1, as torch.nn.utils.clip_grad_norm_ does over the unsharded model. Every rank calls it
+    (an all-reduce); a part held by each of `replicas` machines counts once."""
+    parts = [part for part in model.parameters() if part.grad is not None]
+    local = (torch.nn.utils.get_total_norm([part.grad for part in parts], 2.0) if parts
+             else torch.zeros((), device=model.device)).float()
+    squares = local * local
+    sharding = getattr(model, "sharding", None)
+    if sharding is not None and _world()[1] > 1:
+        dist.all_reduce(squares)
+        squares = squares / sharding.replicas
+    norm = squares.sqrt()
+    if max_norm is not None and parts:
+        torch.nn.utils.clip_grads_with_norm_(parts, max_norm, norm)
+    return norm
 
 
 def _problem(check) -> str | None:
@@ -180,17 +212,29 @@ def train(
     checkpoint: str | None = None,
     checkpoint_every: int | None = None,
     step_in_backward: bool | None = None,
+    accumulate: int = 1,
+    max_grad_norm: float | None = None,
 ) -> History:
-    """`steps` optimizer steps over `batches` (this rank's rows); resumes from `checkpoint` if it holds one,
-    and saves into it every `checkpoint_every` steps (if given) and after the last. The run holds the
-    checkpoint folder until it returns (another run pointed at it stops at once, naming this one), and
-    checks before its first step that it can write a checkpoint there.
+    """`steps` optimizer steps over `batches` (this rank's rows, `accumulate` of them a step); resumes from
+    `checkpoint` if it holds one, and saves into it every `checkpoint_every` steps (if given) and after the
+    last. The run holds the checkpoint folder until it returns (another run pointed at it stops at once,
+    naming this one), and checks before its first step that it can write a checkpoint there.
+
+    accumulate: rows a rank takes for one optimizer step; the step's loss and gradients are the
+    token-weighted mean over every row of every rank, as one batch of them. Each row's gradients are
+    reduce-scattered into the parts' as its backward runs, and summed there.
+
+    max_grad_norm: clip the gradients at this global norm (None: no clipping). Each step's norm before
+    clipping is in its Step.grad_norm, and in the progress line.
 
     step_in_backward: the optimizer steps each part in the backward, where its gradient is complete, so
     that no step holds every gradient at once (with replicas, until the backward's waits across them;
     linnet/torch/step_in_backward.py), as `fused=True` steps: None (the default) where the model is
     sharded and the optimizer allows it (Adam or AdamW without amsgrad, maximize, differentiable, step
-    hooks or gradient hooks on a part), True requires it, False steps after the backward.
+    hooks or gradient hooks on a part), True requires it, False steps after the backward. A part cannot
+    step before every row's gradient is in it (accumulate > 1) or before the norm over every part is known
+    (max_grad_norm): then the optimizer steps after the last backward, holding this rank's f32 gradients,
+    and step_in_backward=True is refused.
 
     A step whose loss is not finite stops the run on every rank (NotFinite, naming the step), and so does a
     checkpoint whose weights or optimizer state are not: nothing of that step is saved, so `checkpoint`
@@ -198,11 +242,19 @@ def train(
     from linnet.torch.checkpoint import Checkpointer
 
     _check_model(model)
-    stepping = _stepping(model, optimizer, step_in_backward)
+    if not (isinstance(accumulate, int) and accumulate >= 1):
+        raise ValueError(f"train(accumulate={accumulate!r}): rows a rank takes a step, a whole number of at least 1")
+    if max_grad_norm is not None and not 0 < max_grad_norm < math.inf:
+        raise ValueError(f"train(max_grad_norm={max_grad_norm!r}): a finite norm above 0, or None for no clipping")
+    whole_gradient = ("accumulate > 1 needs every row's gradient before a part steps" if accumulate > 1 else
+                      "max_grad_norm needs the norm over every part before a part steps"
+                      if max_grad_norm is not None else None)
+    stepping = _stepping(model, optimizer, step_in_backward, whole_gradient)
     checkpointer = Checkpointer(checkpoint, model, optimizer, schedule, steps=steps) if checkpoint is not None else None
     try:
         with stepping:
-            return _train(model, batches, optimizer, steps, schedule, on_step, checkpointer, checkpoint_every)
+            return _train(model, batches, optimizer, steps, schedule, on_step, checkpointer, checkpoint_every,
+                          accumulate, max_grad_norm)
     except RuntimeError as error:
         # A collective that failed because peers went away (a machine died): name them, not an address.
         if watchdog.from_communication(error) and (lost := watchdog.lost_ranks()) is not None:
@@ -213,9 +265,9 @@ def train(
             checkpointer.close()
 
 
-def _stepping(model, optimizer: torch.optim.Optimizer, asked: bool | None):
+def _stepping(model, optimizer: torch.optim.Optimizer, asked: bool | None, whole_gradient: str | None):
     """The context that `train` runs in: the optimizer's step in the backward, or none."""
-    reason = supported(model, optimizer)
+    reason = whole_gradient or supported(model, optimizer)
     if asked is False or (asked is None and reason is not None):
         return contextlib.nullcontext()
     if reason is not None:
@@ -224,7 +276,8 @@ def _stepping(model, optimizer: torch.optim.Optimizer, asked: bool | None):
 
 
 def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, steps: int, schedule,
-           on_step: Callable[[Step], None] | None, checkpointer, checkpoint_every: int | None) -> History:
+           on_step: Callable[[Step], None] | None, checkpointer, checkpoint_every: int | None, accumulate: int,
+           max_grad_norm: float | None) -> History:
     rank, world = _world()
     history = History()
     rows: Iterator[Row] = iter(batches)
@@ -240,6 +293,7 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
     report = on_step or Progress(steps, rank)
     device = model.device
     clock, launched = _Clock(device), None
+    whole_gradient = accumulate > 1 or max_grad_norm is not None
 
     def read_launched() -> None:
         nonlocal launched
@@ -250,31 +304,45 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
             stop_unless_finite(history.steps[-1], checkpointer)
 
     for step in range(history.resumed_from + 1, steps + 1):
-        row = next(rows, None)
-        local_weight = float(row.weights.sum()) if row is not None else 0.0
-        problem = None if row is None else _problem(lambda: row.check_ids(model.checked.dims["Vocab"], f"step {step}"))
+        batch = list(itertools.islice(rows, accumulate))
+        weights = [float(row.weights.sum()) for row in batch]
+        problem = None
+        for index, row in enumerate(batch):
+            where = f"step {step}" if accumulate == 1 else f"step {step}, row {index + 1} of {accumulate}"
+            problem = problem or _problem(lambda: row.check_ids(model.checked.dims["Vocab"], where))
         # Every forward of a sharded model is collective: all ranks step, or all stop together.
-        one_document = row is not None and row.is_one_document()
-        total_weight, ranks_with_a_row, ranks_with_problems, ranks_one_document = _all_reduce(
-            [local_weight, float(row is not None), float(problem is not None), float(one_document)])
-        if ranks_with_a_row < world or ranks_with_problems:
+        one_document = len(batch) == accumulate and all(row.is_one_document() for row in batch)
+        total_weight, ranks_with_rows, ranks_with_problems, ranks_one_document = _all_reduce(
+            [sum(weights), float(len(batch) == accumulate), float(problem is not None), float(one_document)])
+        if ranks_with_rows < world or ranks_with_problems:
             read_launched()  # the step before is reported before the run stops
-        if ranks_with_a_row < world:
-            raise ValueError(f"{world - int(ranks_with_a_row)} of {world} ranks ran out of rows at step {step} "
-                             f"of {steps}: give every rank at least {steps} rows")
+        if ranks_with_rows < world:
+            raise ValueError(f"{world - int(ranks_with_rows)} of {world} ranks ran out of rows at step {step} "
+                             f"of {steps}: give every rank at least {steps * accumulate} rows")
         raise_together(problem, ranks_with_problems)
-        loss = _loss(model, row, device, causal=ranks_one_document == world)
-        # scaled so that the gradients averaged over ranks are those of the global weighted mean
-        backward_and_step(model, loss * (world * local_weight / max(total_weight, 1e-12)), optimizer)
+        loss_sum = torch.zeros((), device=device)
+        for index, (row, weight) in enumerate(zip(batch, weights)):
+            loss = _loss(model, row, device, causal=ranks_one_document == world)
+            # scaled so that the gradients averaged over ranks, summed over rows, are the global weighted mean's
+            scaled = loss * (world * weight / max(total_weight, 1e-12))
+            if whole_gradient:
+                scaled.backward()
+            else:
+                backward_and_step(model, scaled, optimizer)
+            loss_sum = loss_sum + loss.detach().float() * weight
+        grad_norm = None
+        if whole_gradient:
+            grad_norm = clip_grad_norm(model, max_grad_norm)
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
         if schedule is not None:
             schedule.step()
-        this_step = _Launched.of(loss, clock, step=step, local_weight=local_weight, total_weight=total_weight,
-                                 tokens=world * len(row.tokens), lr=lr)
+        this_step = _Launched.of(loss_sum, grad_norm, clock, step=step, total_weight=total_weight,
+                                 tokens=world * sum(len(row.tokens) for row in batch), lr=lr)
         read_launched()  # the step before, while the device runs this one
         launched = this_step
-        rows_consumed += world
+        rows_consumed += world * accumulate
         if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
             read_launched()
             checkpointer.save(step, rows_consumed=rows_consumed)

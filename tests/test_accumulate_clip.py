@@ -1,0 +1,124 @@
+"""train(accumulate=, max_grad_norm=) in PyTorch: over 2 Gloo ranks, 3 rows a rank a step, clipped at a
+norm the gradients exceed, equals one unsharded process that trains the same 6 rows a step as one batch
+(the token-weighted mean of their losses) and calls torch.nn.utils.clip_grad_norm_: the same losses, the
+same norms as Step.grad_norm, the same final weights. AdamW's eps is raised to 1e-3: at its default an
+element whose gradient is near zero moves a full step either way, and rounding picks the way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run
+from hf_models import write_tied_card
+from linnet import nest
+from linnet.data.packing import Example, pack
+from linnet.torch.train import row_tensors
+
+ROW, STEPS, ACCUMULATE, WORLD, MAX_NORM = 64, 3, 3, 2, 0.05
+OPTIMIZER = dict(lr=3e-3, weight_decay=0.1, eps=1e-3)
+
+
+@pytest.fixture(scope="module")
+def card(tmp_path_factory):
+    return write_tied_card(tmp_path_factory.mktemp("card"))
+
+
+def rows() -> list:
+    """The run's rows, in the order the global batches take them: step s takes rows [6s, 6s + 6)."""
+    rng = np.random.default_rng(5)
+    examples = [Example.prompted(rng.integers(0, 211, rng.integers(3, 20)).tolist(),
+                                 rng.integers(0, 211, rng.integers(2, 15)).tolist()) for _ in range(200)]
+    taken = list(pack(examples, ROW))[: STEPS * ACCUMULATE * WORLD]
+    assert len(taken) == STEPS * ACCUMULATE * WORLD
+    return taken
+
+
+def load(card):
+    return nest.load(card, numerics="exact", generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, device="cpu",
+                     cast_dtype=True, trainable=True, weights="random", seed=0, entry="loss_packed")
+
+
+def sharded_run(rank: int, world: int, card, step_in_backward: bool | None):
+    from linnet.torch import fully_shard
+    from linnet.torch.collectives import gathered_weights
+    from linnet.torch.train import train
+
+    torch.set_num_threads(1)
+    model = fully_shard(load(card))
+    optimizer = torch.optim.AdamW(list(model.parameters()), **OPTIMIZER)
+    history = train(model, iter(rows()[rank::world]), optimizer=optimizer, steps=STEPS, accumulate=ACCUMULATE,
+                    max_grad_norm=MAX_NORM, step_in_backward=step_in_backward, on_step=lambda s: None)
+    weights = {name: tensor.numpy().copy() for name, tensor in gathered_weights(model, torch.float32)}
+    return [s.loss for s in history.steps], [s.grad_norm for s in history.steps], weights
+
+
+def one_batch_run(card):
+    """The reference: one process, the whole model, each step's 6 rows as one batch."""
+    torch.set_num_threads(1)
+    model = load(card)
+    parameters = list(model.parameters())
+    optimizer = torch.optim.AdamW(parameters, **OPTIMIZER)
+    losses, norms, taken = [], [], rows()
+    for step in range(STEPS):
+        batch = taken[step * ACCUMULATE * WORLD:(step + 1) * ACCUMULATE * WORLD]
+        weights = [float(row.weights.sum()) for row in batch]
+        loss = sum(model.loss_packed(*row_tensors(row)) * weight for row, weight in zip(batch, weights)) / sum(weights)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(parameters, MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, {name: tensor.detach().numpy().copy() for name, tensor in model.named_weights()}
+
+
+@pytest.fixture(scope="module")
+def reference(card):
+    return one_batch_run(card)
+
+
+@pytest.mark.parametrize("step_in_backward", [None, False], ids=["default", "step-after"])
+def test_accumulated_clipped_training_equals_one_batch_in_one_process(card, reference, step_in_backward):
+    losses, norms, weights = run(sharded_run, WORLD, card, step_in_backward, timeout=300)[0]
+    expected_losses, expected_norms, expected_weights = reference
+    assert min(expected_norms) > MAX_NORM  # every step clips
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, expected_norms, rtol=1e-5)
+    assert weights.keys() == expected_weights.keys()
+    for name, expected in expected_weights.items():
+        np.testing.assert_allclose(weights[name], expected, rtol=0, atol=1e-5 * np.abs(expected).max(), err_msg=name)
+
+
+def test_step_in_backward_is_refused_where_a_step_needs_the_whole_gradient(card):
+    from linnet.torch.train import train
+
+    model = load(card)
+    optimizer = torch.optim.AdamW(list(model.parameters()), fused=True)
+    for options, reason in ((dict(accumulate=2), "accumulate > 1 needs every row's gradient"),
+                            (dict(max_grad_norm=1.0), "max_grad_norm needs the norm over every part")):
+        with pytest.raises(ValueError, match=f"step_in_backward=True\\): {reason}"):
+            train(model, iter(rows()), optimizer=optimizer, steps=1, step_in_backward=True, **options)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(accumulate=0), r"train\(accumulate=0\): rows a rank takes a step"),
+    (dict(accumulate=1.5), r"train\(accumulate=1.5\)"),
+    (dict(max_grad_norm=0.0), r"train\(max_grad_norm=0.0\): a finite norm above 0"),
+    (dict(max_grad_norm=float("nan")), r"train\(max_grad_norm=nan\)"),
+])
+def test_bad_settings_are_named(card, options, message):
+    from linnet.torch.train import train
+
+    model = load(card)
+    with pytest.raises(ValueError, match=message):
+        train(model, iter(rows()), optimizer=torch.optim.AdamW(list(model.parameters())), steps=1, **options)
+
+
+def test_a_run_too_short_of_rows_for_its_accumulation_names_how_many(card):
+    from linnet.torch.train import train
+
+    model = load(card)
+    with pytest.raises(ValueError, match="ran out of rows at step 2 of 3: give every rank at least 9 rows"):
+        train(model, iter(rows()[:5]), optimizer=torch.optim.AdamW(list(model.parameters())), steps=3,
+              accumulate=3, on_step=lambda s: None)
