@@ -122,3 +122,34 @@ def test_a_run_too_short_of_rows_for_its_accumulation_names_how_many(card):
     with pytest.raises(ValueError, match="ran out of rows at step 2 of 3: give every rank at least 9 rows"):
         train(model, iter(rows()[:5]), optimizer=torch.optim.AdamW(list(model.parameters())), steps=3,
               accumulate=3, on_step=lambda s: None)
+
+
+def leg(rank: int, world: int, card, folder: str, steps: int, accumulate: int):
+    """Steps up to `steps` of the run whose checkpoints `folder` holds, `accumulate` rows a rank a step."""
+    from linnet.torch import fully_shard
+    from linnet.torch.collectives import gathered_weights
+    from linnet.torch.train import train
+
+    torch.set_num_threads(1)
+    model = fully_shard(load(card))
+    optimizer = torch.optim.AdamW(list(model.parameters()), **OPTIMIZER)
+    history = train(model, iter(rows()[rank::world]), optimizer=optimizer, steps=steps, accumulate=accumulate,
+                    max_grad_norm=MAX_NORM, checkpoint=folder, checkpoint_every=1, on_step=lambda s: None)
+    weights = {name: tensor.numpy().copy() for name, tensor in gathered_weights(model, torch.float32)}
+    return history.resumed_from, [s.loss for s in history.steps], [s.grad_norm for s in history.steps], weights
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 3)], ids=["2-to-1", "1-to-3"])
+def test_an_accumulated_run_resumed_mid_way_on_other_ranks_equals_one_batch(card, reference, tmp_path, first, then):
+    """The global batch stays 6 rows, 3 a rank on 2 ranks, 6 on 1, 2 on 3: a checkpoint after step 1 resumes
+    on the other number of ranks to the reference's steps 2 and 3."""
+    folder = str(tmp_path / "run")
+    resumed_from, losses, norms, _ = run(leg, first, card, folder, 1, 6 // first, timeout=300)[0]
+    assert resumed_from == 0 and len(losses) == 1
+    resumed_from, losses, norms, weights = run(leg, then, card, folder, STEPS, 6 // then, timeout=300)[0]
+    expected_losses, expected_norms, expected_weights = reference
+    assert resumed_from == 1
+    np.testing.assert_allclose(losses, expected_losses[1:], rtol=1e-5)
+    np.testing.assert_allclose(norms, expected_norms[1:], rtol=1e-5)
+    for name, expected in expected_weights.items():
+        np.testing.assert_allclose(weights[name], expected, rtol=0, atol=1e-5 * np.abs(expected).max(), err_msg=name)
