@@ -6,6 +6,8 @@ element whose gradient is near zero moves a full step either way, and rounding p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -25,13 +27,13 @@ def card(tmp_path_factory):
     return write_tied_card(tmp_path_factory.mktemp("card"))
 
 
-def rows() -> list:
+def rows(rows_a_step: int = ACCUMULATE * WORLD) -> list:
     """The run's rows, in the order the global batches take them: step s takes rows [6s, 6s + 6)."""
     rng = np.random.default_rng(5)
     examples = [Example.prompted(rng.integers(0, 211, rng.integers(3, 20)).tolist(),
-                                 rng.integers(0, 211, rng.integers(2, 15)).tolist()) for _ in range(200)]
-    taken = list(pack(examples, ROW))[: STEPS * ACCUMULATE * WORLD]
-    assert len(taken) == STEPS * ACCUMULATE * WORLD
+                                 rng.integers(0, 211, rng.integers(2, 15)).tolist()) for _ in range(300)]
+    taken = list(pack(examples, ROW))[: STEPS * rows_a_step]
+    assert len(taken) == STEPS * rows_a_step
     return taken
 
 
@@ -54,15 +56,18 @@ def sharded_run(rank: int, world: int, card, step_in_backward: bool | None):
     return [s.loss for s in history.steps], [s.grad_norm for s in history.steps], weights
 
 
-def one_batch_run(card):
-    """The reference: one process, the whole model, each step's 6 rows as one batch."""
+def one_batch_run(card, rows_a_step: int = ACCUMULATE * WORLD, start: Path | None = None):
+    """The reference: one process, the whole model, each step's rows as one batch (its weights first saved
+    in `start`, if given)."""
     torch.set_num_threads(1)
     model = load(card)
+    if start is not None:
+        model.save_weights(start, dtype=torch.float32)
     parameters = list(model.parameters())
     optimizer = torch.optim.AdamW(parameters, **OPTIMIZER)
-    losses, norms, taken = [], [], rows()
+    losses, norms, taken = [], [], rows(rows_a_step)
     for step in range(STEPS):
-        batch = taken[step * ACCUMULATE * WORLD:(step + 1) * ACCUMULATE * WORLD]
+        batch = taken[step * rows_a_step:(step + 1) * rows_a_step]
         weights = [float(row.weights.sum()) for row in batch]
         loss = sum(model.loss_packed(*row_tensors(row)) * weight for row, weight in zip(batch, weights)) / sum(weights)
         loss.backward()
@@ -153,3 +158,29 @@ def test_an_accumulated_run_resumed_mid_way_on_other_ranks_equals_one_batch(card
     np.testing.assert_allclose(norms, expected_norms[1:], rtol=1e-5)
     for name, expected in expected_weights.items():
         np.testing.assert_allclose(weights[name], expected, rtol=0, atol=1e-5 * np.abs(expected).max(), err_msg=name)
+
+
+def test_jax_accumulated_clipped_training_over_four_devices_equals_one_batch(card, tmp_path):
+    """linnet.jax.train, 2 batches of 4 devices a step, against PyTorch's one process on the same 8 rows a
+    step, from the same weights. Two frameworks' f32 kernels round differently: 1e-4."""
+    import jax
+    import optax
+    from jax.sharding import Mesh
+    from safetensors.numpy import load_file
+
+    from linnet.jax import train as jax_train
+
+    expected_losses, expected_norms, expected_weights = one_batch_run(card, 8, start=tmp_path / "start")
+    model = nest.load(card, backend="jax_source", entry="loss_packed", numerics="exact", cast_dtype=True,
+                      generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, weights=tmp_path / "start")
+    optimizer = optax.adamw(OPTIMIZER["lr"], eps=OPTIMIZER["eps"], weight_decay=OPTIMIZER["weight_decay"])
+    _, history = jax_train(model, rows(8), optimizer=optimizer, steps=STEPS, mesh=Mesh(np.array(jax.devices()[:4]),
+                           ("data",)), accumulate=2, max_grad_norm=MAX_NORM, on_step=lambda s: None)
+    assert min(expected_norms) > MAX_NORM
+    np.testing.assert_allclose([s.loss for s in history.steps], expected_losses, rtol=1e-4)
+    np.testing.assert_allclose([s.grad_norm for s in history.steps], expected_norms, rtol=1e-4)
+    model.save_weights(tmp_path / "trained", dtype=jax.numpy.float32)
+    weights = load_file(tmp_path / "trained" / "model.safetensors")
+    assert weights.keys() == expected_weights.keys()
+    for name, expected in expected_weights.items():
+        np.testing.assert_allclose(weights[name], expected, rtol=0, atol=1e-4 * np.abs(expected).max(), err_msg=name)

@@ -75,9 +75,18 @@ def train(
     on_step: Callable[[Step], None] | None = None,
     checkpoint: str | None = None,
     checkpoint_every: int | None = None,
+    accumulate: int = 1,
+    max_grad_norm: float | None = None,
 ) -> tuple[dict, History]:
-    """`steps` optimizer steps, each over mesh.size x Batch rows of `batches`; returns (params, history):
-    params the model's parts (each group one flat f32 array split over the mesh), which it keeps.
+    """`steps` optimizer steps, each over accumulate x mesh.size x Batch rows of `batches`; returns (params,
+    history): params the model's parts (each group one flat f32 array split over the mesh), which it keeps.
+
+    accumulate: batches of mesh.size x Batch rows a step, run one after another (`lax.scan`) with their
+        gradients summed in the parts; the step's loss and gradients are the token-weighted mean over all
+        of its rows, as one batch of them.
+    max_grad_norm: clip the gradients at this global norm, as torch.nn.utils.clip_grad_norm_ does (scaled
+        by max_grad_norm / (norm + 1e-6) where that is below 1); each step's norm before clipping is in its
+        Step.grad_norm. None: no clipping.
 
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input;
         with the fast numerics the loss's chunks too (prims_jax.cross_entropy_chunked).
@@ -96,7 +105,11 @@ def train(
     checkpoint whose parts or optimizer state are not: nothing of that step is saved, so `checkpoint` resumes
     from the last good step."""
     _check(model, mesh)
-    rows_a_step = mesh.size * model.generics["Batch"]
+    if not (isinstance(accumulate, int) and accumulate >= 1):
+        raise ValueError(f"train(accumulate={accumulate!r}): batches a step, a whole number of at least 1")
+    if max_grad_norm is not None and not 0 < max_grad_norm < float("inf"):
+        raise ValueError(f"train(max_grad_norm={max_grad_norm!r}): a finite norm above 0, or None for no clipping")
+    rows_a_step = accumulate * mesh.size * model.generics["Batch"]
     layouts = shard.group_layouts(model.checked, shard.shards(mesh))
     # The folder is checked and held before the weights are built: a run that cannot save fails at once.
     checkpointer = None if checkpoint is None else JaxCheckpointer(
@@ -106,7 +119,7 @@ def train(
         writer=jax.process_index() == 0)
     try:
         return _train(model, batches, optimizer, steps, mesh, remat, scan_layers, on_step, checkpointer,
-                      checkpoint_every, layouts)
+                      checkpoint_every, layouts, accumulate, max_grad_norm)
     finally:
         if checkpointer is not None:
             checkpointer.close()
@@ -114,10 +127,12 @@ def train(
 
 def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTransformation, steps: int,
            mesh: Mesh, remat: bool, scan_layers: bool, on_step: Callable[[Step], None] | None,
-           checkpointer: JaxCheckpointer | None, checkpoint_every: int | None, layouts) -> tuple[dict, History]:
+           checkpointer: JaxCheckpointer | None, checkpoint_every: int | None, layouts, accumulate: int,
+           max_grad_norm: float | None) -> tuple[dict, History]:
     batch = model.generics["Batch"]
-    rows_a_step = mesh.size * batch
-    own_rows = _own_devices(mesh) * batch  # what this process's batches give a step
+    rows_a_batch = mesh.size * batch
+    rows_a_step = accumulate * rows_a_batch
+    own_rows = _own_devices(mesh) * batch  # what this process's batches give a batch of the step
     if model.weight_source is not None:  # not read whole: built into parts
         parts = shard.parts_from_source(model, layouts, mesh)
     else:
@@ -139,38 +154,46 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
                                  f"past steps={steps}")
             if history.resumed_from:
                 rows_consumed = checkpointer.manifest["rows_consumed"]
-                rows = itertools.islice(rows, _own_consumed(rows_consumed, rows_a_step, own_rows), None)
+                rows = itertools.islice(rows, _own_consumed(rows_consumed, rows_a_batch, own_rows), None)
             _on_every_process(f"checking the room in {checkpointer.folder}",
                               lambda: checkpointer.check_room(parts, opt_state))
         if scan_layers and layers_separable(optimizer, parts):  # after resuming: checkpoints hold a part a layer
             parts, opt_state = shard.stack_layers(parts, mesh), shard.stack_layers(opt_state, mesh)
         state_placements = shard.placements((parts, opt_state), parts, mesh)
         step_functions = {}  # by the attention kernel the rows take (_attention_kernel), each compiled when first met
-        placement = NamedSharding(mesh, _rows_spec(mesh))
+        placement = NamedSharding(mesh, _batches_spec(mesh))
         report = on_step or Progress(steps, 0)
+
         def rows_of(step: int):
-            chunk = list(itertools.islice(rows, own_rows))
-            if len(chunk) < own_rows:
-                raise ValueError(f"the batches ran out at step {step} of {steps}: each step takes {own_rows} rows "
-                                 f"({own_rows // batch} devices x Batch {batch}{_of_all(mesh)})")
+            chunk = list(itertools.islice(rows, accumulate * own_rows))
+            if len(chunk) < accumulate * own_rows:
+                times = f"{accumulate} batches x " if accumulate > 1 else ""
+                raise ValueError(f"the batches ran out at step {step} of {steps}: each step takes "
+                                 f"{accumulate * own_rows} rows ({times}{own_rows // batch} devices x Batch "
+                                 f"{batch}{_of_all(mesh)})")
             for index, row in enumerate(chunk):
                 row.check_ids(model.checked.dims["Vocab"], f"step {step}, row {index}")
-            return chunk, _stack(chunk, model.generics["MaxSeq"])
+            stacked = [_stack(chunk[i:i + own_rows], model.generics["MaxSeq"])
+                       for i in range(0, len(chunk), own_rows)]
+            return chunk, [np.stack(arrays) for arrays in zip(*stacked)]  # each [accumulate, own rows, MaxSeq]
 
         for step in range(history.resumed_from + 1, steps + 1):
             chunk, arrays = _on_every_process(f"taking the rows of step {step}", lambda: rows_of(step))
-            kernel = _agreed_kernel(_attention_kernel(model, mesh, arrays[LOSS_PACKED_INPUTS.index("segments")]))
+            segments = arrays[LOSS_PACKED_INPUTS.index("segments")]
+            kernel = _agreed_kernel(_attention_kernel(model, mesh, segments.reshape(-1, segments.shape[-1])))
             if kernel not in step_functions:
                 step_functions[kernel] = _step_function(model, layouts, mesh, optimizer, remat, parts,
-                                                        state_placements, kernel)
+                                                        state_placements, kernel, accumulate, max_grad_norm)
             inputs = [jax.make_array_from_process_local_data(placement, array) for array in arrays]
             start = time.perf_counter()
-            parts, opt_state, (loss, weight) = step_functions[kernel](parts, opt_state, *inputs)
+            parts, opt_state, (loss, weight, norm) = step_functions[kernel](parts, opt_state, *inputs)
             loss, weight = float(loss.addressable_data(0)), float(weight.addressable_data(0))  # waits for the step
             seconds = time.perf_counter() - start
             model.params = parts
             rows_consumed += rows_a_step
-            record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state))
+            grad_norm = None if max_grad_norm is None else float(norm.addressable_data(0))
+            record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state),
+                          grad_norm)
             history.steps.append(record)
             report(record)
             stop_unless_finite(record, checkpointer)
@@ -314,8 +337,13 @@ def _of_all(mesh: Mesh) -> str:
 
 
 def _rows_spec(mesh: Mesh) -> PartitionSpec:
-    """The rows of a step split over every device of the mesh, replicas first."""
+    """The rows of a batch split over every device of the mesh, replicas first."""
     return PartitionSpec(tuple(mesh.axis_names))
+
+
+def _batches_spec(mesh: Mesh) -> PartitionSpec:
+    """A step's [accumulate, rows, MaxSeq] inputs: every device takes its rows of each batch."""
+    return PartitionSpec(None, tuple(mesh.axis_names))
 
 
 def _stack(rows: list[Row], positions: int) -> list[np.ndarray]:
@@ -415,35 +443,53 @@ def _evaluate_function(model: JaxModel, layouts, mesh: Mesh, kernel: int | None)
 
 
 def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool, parts, state_placements,
-                   kernel: int | None):
+                   kernel: int | None, accumulate: int = 1, max_grad_norm: float | None = None):
+    """The jitted step: (parts, opt_state, *inputs each [accumulate, rows, MaxSeq]) -> (parts, opt_state,
+    (loss, loss weight, gradient norm before clipping))."""
     axis, every = shard.shard_axis(mesh), tuple(mesh.axis_names)
     part_specs = jax.tree.map(lambda part: shard.part_spec(part, axis), parts)
     loss_packed = _sharded_loss_packed(model, layouts, axis, remat, kernel)
 
-    def device_step(parts, tokens, targets, positions, segments, weights):
-        local = jnp.sum(weights)
-        share = local / jnp.maximum(jax.lax.psum(local, every), jnp.finfo(jnp.float32).tiny)
+    def device_step(parts, *inputs):
+        local = jnp.sum(inputs[-1])  # the loss weight of this device's rows, over every batch of the step
+        total = jnp.maximum(jax.lax.psum(local, every), jnp.finfo(jnp.float32).tiny)
 
-        def scaled_loss(parts):
-            return loss_packed(parts, tokens, targets, positions, segments, weights) * share
+        def batch_gradients(batch):
+            def scaled_loss(parts):
+                return loss_packed(parts, *batch) * (jnp.sum(batch[-1]) / total)
 
-        loss, gradients = jax.value_and_grad(scaled_loss)(parts)
+            return jax.value_and_grad(scaled_loss)(parts)
+
+        if accumulate == 1:
+            loss, gradients = batch_gradients([x[0] for x in inputs])
+        else:
+            def add_batch(summed, batch):
+                loss, gradients = batch_gradients(batch)
+                return jax.tree.map(jnp.add, summed, gradients), loss
+
+            zeros = jax.tree.map(jnp.zeros_like, parts)
+            gradients, losses = jax.lax.scan(add_batch, zeros, inputs)
+            loss = jnp.sum(losses)
         # Across replicas (a 2-D mesh) the parts' gradients are summed by shard_map itself: the transpose of
         # using a part that every replica holds alike.
         return (jax.lax.psum(loss, every), jax.lax.psum(local, every)), gradients
 
-    split = _rows_spec(mesh)
+    split = _batches_spec(mesh)
     sharded_step = jax.shard_map(device_step, mesh=mesh, in_specs=(part_specs, *(split,) * 5),
                                  out_specs=((PartitionSpec(), PartitionSpec()), part_specs))
 
     def step(parts, opt_state, *inputs):
         (loss, weight), gradients = sharded_step(parts, *inputs)
+        norm = optax.tree.norm(gradients) if max_grad_norm is not None else jnp.zeros((), jnp.float32)
+        if max_grad_norm is not None:  # as torch.nn.utils.clip_grad_norm_
+            scale = jnp.minimum(max_grad_norm / (norm + 1e-6), 1.0)
+            gradients = jax.tree.map(lambda gradient: gradient * scale, gradients)
         updates, opt_state = optimizer.update(gradients, opt_state, parts)
-        return optax.apply_updates(parts, updates), opt_state, (loss, weight)
+        return optax.apply_updates(parts, updates), opt_state, (loss, weight, norm)
 
     # The outputs are placed as the inputs were, so that the next step neither moves them nor recompiles.
     everywhere = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_placements, (everywhere, everywhere)),
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_placements, (everywhere,) * 3),
                    compiler_options=xla_options(mesh.devices.flat[0].platform))
 
 

@@ -332,7 +332,8 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
             loss_sum = loss_sum + loss.detach().float() * weight
         grad_norm = None
         if whole_gradient:
-            grad_norm = clip_grad_norm(model, max_grad_norm)
+            if max_grad_norm is not None:
+                grad_norm = clip_grad_norm(model, max_grad_norm)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
