@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-__all__ = ["NotFinite", "positive_number", "ArgumentParser", "UserError",
+__all__ = ["NotFinite", "positive_number", "non_negative_number", "ArgumentParser", "UserError",
            "at_least", "exit_on_user_error", "first_process"]
 
 EXIT_STATUS = 2  # as argparse's usage errors
@@ -130,10 +130,22 @@ def at_least(minimum: int):
 
 def positive_number(text: str) -> float:
     """An argparse `type`: a finite number above zero (a learning rate), or a message that says so."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
     return value
+
+
+def non_negative_number(text: str) -> float:
+    """An argparse `type`: a finite number of at least zero (a norm, where 0 turns clipping off)."""
+    value = _number(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None

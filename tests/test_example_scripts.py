@@ -7,6 +7,8 @@ the checks themselves are tests/test_examples_errors.py."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,20 +75,21 @@ def test_a_second_run_on_a_held_checkpoint_folder_is_one_line_and_status_2(tmp_p
 
 # The scripts.
 
-def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def run(command: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env or {})}
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
-def torchrun(*args: str) -> subprocess.CompletedProcess:
+def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
     """The example under `linnet-torchrun` (torchrun, ending as its workers' user errors do)."""
-    return run([sys.executable, "-m", "linnet.torch.launch", "--nproc_per_node=2", "examples/sft/sft_torch.py",
-                *TINY, *args])
+    return run([sys.executable, "-m", "linnet.torch.launch", f"--nproc_per_node={processes}",
+                "examples/sft/sft_torch.py", *TINY, *args])
 
 
-def jax_example(*args: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "examples/sft/sft_jax.py", *TINY, *args])
+def jax_example(*args: str, devices: int = 4) -> subprocess.CompletedProcess:
+    return run([sys.executable, "examples/sft/sft_jax.py", *TINY, *args],
+               env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
 
 
 def said_once(result: subprocess.CompletedProcess) -> str:
@@ -148,3 +151,35 @@ def test_a_finished_run_run_again_writes_out(tmp_path, example):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "no steps left to run" in again.stdout and "step 1:" not in again.stdout
     assert (tmp_path / "weights" / "model.safetensors").exists()
+
+
+def losses(result: subprocess.CompletedProcess) -> dict[int, float]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+): loss ([\d.]+)", result.stdout, re.M)}
+
+
+def resumed_elsewhere(tmp_path, first, then) -> tuple[dict, dict]:
+    """The losses of a run of 4 steps by `first` that saves at step 2, and of its step-2 checkpoint resumed
+    by `then` (on another number of ranks, with as many rows a step through --accumulate)."""
+    command = ["--data", str(TASKS), "--steps", "4", "--held-out", "20", "--checkpoint-every", "2"]
+    straight = losses(first(*command, "--checkpoint", str(tmp_path / "run")))
+    shutil.copytree(tmp_path / "run" / "step-00000002", tmp_path / "resumed" / "step-00000002")
+    resumed = losses(then(*command, "--checkpoint", str(tmp_path / "resumed")))
+    assert set(straight) == {1, 2, 3, 4} and set(resumed) == {3, 4}
+    return straight, resumed
+
+
+def test_the_torch_example_resumes_on_another_number_of_processes_to_the_same_losses(tmp_path):
+    """2 processes, then 1 taking 2 rows a step: the same rows a step, so the same losses (to the printed
+    3 decimals, within a unit of the last for rounding)."""
+    straight, resumed = resumed_elsewhere(tmp_path, lambda *args: torchrun(*args, processes=2),
+                                          lambda *args: torchrun(*args, "--accumulate", "2", processes=1))
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(straight[step], abs=1.5e-3)
+
+
+def test_the_jax_example_resumes_on_another_number_of_devices_to_the_same_losses(tmp_path):
+    straight, resumed = resumed_elsewhere(tmp_path, lambda *args: jax_example(*args, devices=4),
+                                          lambda *args: jax_example(*args, "--accumulate", "2", devices=2))
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(straight[step], abs=1.5e-3)

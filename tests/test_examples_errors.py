@@ -13,7 +13,7 @@ import pytest
 
 from linnet import cards, nest
 from linnet.recipes import sft
-from linnet.errors import ArgumentParser, UserError, at_least, positive_number
+from linnet.errors import ArgumentParser, UserError, at_least, non_negative_number, positive_number
 from linnet.data.packing import Example, pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +99,10 @@ def test_rows_for_the_steps_are_counted_before_the_first_step():
         "--steps 6 on 2 processes takes 12 packed rows (one a step on each), but the training rows pack into "
         "10 rows of --tokens 16: lower --steps (to 5 at most), lower --tokens, or give more rows")
     assert "on 4 devices" in raises(sft.rows_for_run, iter([]), 1, 4, None, "devices")
+    assert len(sft.rows_for_run(pack(examples(20), 16), steps=2, ranks=2, accumulate=2)) == 8
+    assert raises(sft.rows_for_run, pack(examples(20), 16), 3, 2, accumulate=2) == (
+        "--steps 3 on 2 processes takes 12 packed rows (--accumulate 2 a step on each), but the training rows pack "
+        "into 10 rows of --tokens 16: lower --steps (to 2 at most), lower --tokens, or give more rows")
 
 
 def test_rows_for_the_steps_pack_no_more_than_they_need():
@@ -230,6 +234,16 @@ def test_a_learning_rate_that_is_not_a_finite_positive_number_is_refused_before_
     assert parser.parse_args(["--lr", "3e-3"]).lr == 3e-3
     expected = "expected a number, got 'x'" if given == "x" else f"must be a finite number above 0, got {given}"
     assert raises(parser.parse_args, ["--lr", given]) == f"argument --lr: {expected} (see sft.py --help)"
+
+
+@pytest.mark.parametrize("given", ["nan", "-1", "inf", "x"])
+def test_a_clipping_norm_that_is_not_a_finite_number_of_at_least_0_is_refused(given):
+    parser = ArgumentParser(prog="sft.py")
+    parser.add_argument("--max-grad-norm", type=non_negative_number, default=1.0)
+    assert parser.parse_args(["--max-grad-norm", "0"]).max_grad_norm == 0.0  # no clipping
+    expected = "expected a number, got 'x'" if given == "x" else f"must be a finite number of at least 0, got {given}"
+    assert raises(parser.parse_args, ["--max-grad-norm", given]) == (
+        f"argument --max-grad-norm: {expected} (see sft.py --help)")
 
 
 def test_a_resume_of_another_card_or_past_the_steps_is_refused_before_anything_is_built(tmp_path):

@@ -30,7 +30,7 @@ import optax
 
 from linnet import nest
 from linnet.recipes import sft
-from linnet.errors import ArgumentParser, at_least, exit_on_user_error, positive_number
+from linnet.errors import ArgumentParser, at_least, exit_on_user_error, non_negative_number, positive_number
 from linnet.jax import hosts
 from linnet.jax.train import default_mesh, evaluate, own_rows, train
 from linnet.data.packing import pack
@@ -52,6 +52,10 @@ parser.add_argument(
     "--no-remat", dest="remat", action="store_false", help="keep each layer for backward"
 )
 parser.add_argument("--tokens", type=at_least(2), default=4096, help="positions in a packed row")
+parser.add_argument("--accumulate", type=at_least(1), default=1, help="packed rows a device takes for one optimizer "
+                    "step, their gradients summed (gradient accumulation; default 1)")
+parser.add_argument("--max-grad-norm", type=non_negative_number, default=1.0, help="clip the gradients at this "
+                    "global norm (default 1.0, as TRL and torchtitan; 0: no clipping)")
 parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps, and resume from it")
 parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
@@ -70,9 +74,9 @@ example = functools.partial(sft.alpaca_example, tokenizer)  # an alpaca row as a
 hosts.join()  # when started as one of several processes (machines): before any device is used
 mesh = default_mesh()  # every device; over several machines, a copy of the parts a machine
 training_rows, held_out_rows = sft.split_held_out(sft.alpaca_rows(args.data), args.held_out, args.data)
-# One packed row a device a step; each machine feeds its own devices.
+# --accumulate packed rows a device a step; each machine feeds its own devices.
 batches = sft.rows_for_run(pack(map(example, training_rows), TOKENS), args.steps, mesh.size, args.checkpoint,
-                          "devices")
+                          "devices", args.accumulate)
 batches = own_rows(batches, mesh, batch=1)
 held_out = list(pack(map(example, held_out_rows), TOKENS))
 
@@ -92,7 +96,8 @@ schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, 
 def report(step):
     if jax.process_index() != 0:  # one machine reports the run (the loss is the whole step's)
         return
-    print(f"step {step.step}: loss {step.loss:.3f}, {step.seconds:.2f} s", flush=True)
+    norm = "" if step.grad_norm is None else f", grad norm {step.grad_norm:.3f}"
+    print(f"step {step.step}: loss {step.loss:.3f}{norm}, {step.seconds:.2f} s", flush=True)
 
 
 before = evaluate(model, held_out)
@@ -106,6 +111,8 @@ params, history = train(
     on_step=report,
     checkpoint=args.checkpoint,
     checkpoint_every=args.checkpoint_every,
+    accumulate=args.accumulate,
+    max_grad_norm=args.max_grad_norm or None,
 )
 after = evaluate(model, held_out)
 step = history.median_seconds()
@@ -113,7 +120,8 @@ peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.loc
 gpus = jax.devices()[0].platform == "gpu"
 memory = f"peak {peak:.1f} GiB a GPU" if gpus else "on the CPU"
 speed = "no steps left to run" if step is None else (
-    f"{step:.2f} s a step ({mesh.size * TOKENS / step:.0f} positions/s on {mesh.size} {'GPUs' if gpus else 'devices'})")
+    f"{step:.2f} s a step ({mesh.size * args.accumulate * TOKENS / step:.0f} positions/s on {mesh.size} "
+    f"{'GPUs' if gpus else 'devices'})")
 if jax.process_index() == 0:
     print(f"{speed}, {memory}, held-out loss {before:.3f} to {after:.3f}")
 if args.out is not None:

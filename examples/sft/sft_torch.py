@@ -24,7 +24,7 @@ import torch
 
 from linnet import nest
 from linnet.recipes import sft
-from linnet.errors import ArgumentParser, at_least, exit_on_user_error, positive_number
+from linnet.errors import ArgumentParser, at_least, exit_on_user_error, non_negative_number, positive_number
 from linnet.torch import fully_shard
 from linnet.torch.mesh import SHARDINGS, torchrun_mesh
 from linnet.torch.train import cosine_schedule, evaluate, pack, train
@@ -43,6 +43,10 @@ parser.add_argument("--warmup", type=at_least(0), default=None, help="steps of l
                     "(default 3, or --steps - 1 if fewer)")
 parser.add_argument("--lr", type=positive_number, default=1e-5)
 parser.add_argument("--tokens", type=at_least(2), default=4096, help="positions in a packed row")
+parser.add_argument("--accumulate", type=at_least(1), default=1, help="packed rows a process takes for one optimizer "
+                    "step, their gradients summed (gradient accumulation; default 1)")
+parser.add_argument("--max-grad-norm", type=non_negative_number, default=1.0, help="clip the gradients at this "
+                    "global norm (default 1.0, as TRL and torchtitan; 0: no clipping)")
 parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps, and resume from it")
 parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
@@ -68,8 +72,9 @@ example = functools.partial(sft.alpaca_example, tokenizer)  # an alpaca row as a
 
 
 training_rows, held_out_rows = sft.split_held_out(sft.alpaca_rows(args.data), args.held_out, args.data)
-# One packed row a process a step: the processes take turns over the batches.
-batches = sft.rows_for_run(pack(map(example, training_rows), TOKENS), args.steps, world, args.checkpoint)
+# --accumulate packed rows a process a step: the processes take turns over the batches.
+batches = sft.rows_for_run(pack(map(example, training_rows), TOKENS), args.steps, world, args.checkpoint,
+                           accumulate=args.accumulate)
 held_out = sft.enough_held_out(pack(map(example, held_out_rows), TOKENS), world, args.held_out)
 
 model = nest.load(
@@ -96,7 +101,8 @@ schedule = cosine_schedule(optimizer, warmup, args.steps, floor=0.0)
 
 def report(step):
     if rank == 0:
-        print(f"step {step.step}: loss {step.loss:.3f}, {step.seconds:.2f} s", flush=True)
+        norm = "" if step.grad_norm is None else f", grad norm {step.grad_norm:.3f}"
+        print(f"step {step.step}: loss {step.loss:.3f}{norm}, {step.seconds:.2f} s", flush=True)
 
 
 before = evaluate(model, held_out[rank::world])
@@ -109,6 +115,8 @@ history = train(
     on_step=report,
     checkpoint=args.checkpoint,
     checkpoint_every=args.checkpoint_every,
+    accumulate=args.accumulate,
+    max_grad_norm=args.max_grad_norm or None,
 )
 after = evaluate(model, held_out[rank::world])
 peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=device)
@@ -117,7 +125,8 @@ if rank == 0:
     step = history.median_seconds()
     memory = f"peak {float(peak):.1f} GiB a GPU" if cuda else "on the CPU"
     speed = "no steps left to run" if step is None else (
-        f"{step:.2f} s a step ({world * TOKENS / step:.0f} positions/s on {world} {'GPUs' if cuda else 'processes'})")
+        f"{step:.2f} s a step ({world * args.accumulate * TOKENS / step:.0f} positions/s on {world} "
+        f"{'GPUs' if cuda else 'processes'})")
     print(f"{speed}, {memory}, held-out loss {before:.3f} to {after:.3f}")
 if args.out is not None:
     # Every process calls it: the parts are gathered, and the first writes.

@@ -124,22 +124,24 @@ def split_held_out(rows: list[T], held_out: int, source: str | None) -> tuple[li
 
 
 def rows_for_run(rows: Iterable[Row], steps: int, ranks: int, checkpoint: str | os.PathLike | None = None,
-                 ranks_are: str = "processes") -> list[Row]:
+                 ranks_are: str = "processes", accumulate: int = 1) -> list[Row]:
     """The packed rows of the whole run, one stream whatever the number of ranks (rank r of this run takes
     rows[r::ranks]): those that the run `checkpoint` resumes from used already, at whatever number of ranks
-    it ran, then one a rank for each step left; packing no more than that. Or a UserError, before the first
-    step, that says how many there are and what to change."""
+    it ran, then `accumulate` a rank for each step left; packing no more than that. Or a UserError, before
+    the first step, that says how many there are and what to change."""
     manifest = newest_manifest(Path(checkpoint)) if checkpoint is not None else None
     done, used = (manifest["step"], manifest["rows_consumed"]) if manifest else (0, 0)
-    needed = used + max(0, steps - done) * ranks
+    a_step = ranks * accumulate
+    needed = used + max(0, steps - done) * a_step
     taken = list(itertools.islice(rows, needed))
     if taken and not any(row.weights.any() for row in taken):
         raise UserError(f"--tokens {len(taken[0].tokens)} leaves no answer in the packed rows: each row is a piece "
                         f"of a prompt, with nothing to learn: raise --tokens to hold at least one whole example")
     if len(taken) < needed:
         resumed = f" after the {used} that the run it resumes used (to step {done})" if used else ""
-        most = (len(taken) - used) // ranks + done
-        raise UserError(f"--steps {steps} on {ranks} {ranks_are} takes {needed} packed rows (one a step on each"
+        most = (len(taken) - used) // a_step + done
+        each = "one" if accumulate == 1 else f"--accumulate {accumulate}"
+        raise UserError(f"--steps {steps} on {ranks} {ranks_are} takes {needed} packed rows ({each} a step on each"
                         f"{resumed}), but the training rows pack into {_rows(taken)}: lower --steps (to "
                         f"{max(most, 0)} at most), lower --tokens, or give more rows")
     return taken

@@ -6,7 +6,7 @@ It takes torchrun's options and runs torchrun's agent. One thing differs: where 
 user error (exit status 2: it has printed its one line, from the first rank, as linnet.errors has every
 script do), the run ends with status 2 and nothing more. torchrun itself reports any worker failure with
 its own traceback and summary, and exits 1; so it does here for any other failure, a bug's traceback
-included. The agent's lines as it stops the other workers are left out."""
+included. The agent's log lines on a user error are left out."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _QuietOnUserError(logging.Filter):
-    """The agent warns as it stops the other workers after the first one's user error; those lines say
-    nothing the user's one line did not."""
+    """The agent logs a worker that exits with a user error's status, and the signals that stop the others:
+    lines that say nothing the user's one line did not."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "closing signal" not in record.getMessage()
+        message = record.getMessage()
+        return "closing signal" not in message and f"failed (exitcode: {EXIT_STATUS})" not in message
 
 
 logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietOnUserError())
