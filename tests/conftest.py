@@ -1,5 +1,6 @@
-"""Test settings: the tests folder is importable (its helpers), warnings stay quiet, and a module that
-sets LIMIT_S has each of its tests bounded by that many seconds."""
+"""Test settings: the tests folder is importable (its helpers), warnings stay quiet, a module that sets
+LIMIT_S has each of its tests bounded by that many seconds, and tests marked `slow` (more variants of
+what another test covers) run only with `--all`."""
 
 import os
 import signal
@@ -32,3 +33,18 @@ def bounded(request):
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true",
+                     help="also run the tests marked slow: further variants (worlds, compilers, meshes) of what the "
+                          "default run covers once")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--all"):
+        return
+    skip = pytest.mark.skip(reason="slow: a further variant of what the default run covers (pytest --all runs it)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

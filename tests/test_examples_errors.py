@@ -76,7 +76,7 @@ def test_the_rows_come_in_the_order_datasets_shuffled_them():
     from datasets import load_dataset
 
     shuffled = load_dataset("json", data_files=str(TASKS), split="train").shuffle(seed=0)
-    assert sft.alpaca_rows(str(TASKS), most=500) == [dict(row) for row in shuffled.select(range(500))]
+    assert sft.data_rows(str(TASKS), most=500) == [dict(row) for row in shuffled.select(range(500))]
 
 
 # The split, the packed rows, the warm-up and --out: checked before the first step.
@@ -269,7 +269,7 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
 
 def test_the_default_data_offline_is_one_line(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    assert raises(sft.alpaca_rows, None).startswith("no --data given, and the hub's tatsu-lab/alpaca cannot be read")
+    assert raises(sft.data_rows, None).startswith("no --data given, and the hub's tatsu-lab/alpaca cannot be read")
 
 
 def test_tokens_too_few_for_any_answer_are_refused():

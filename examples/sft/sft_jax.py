@@ -23,7 +23,6 @@ writes, and every machine resumes from it.
 """
 
 import argparse
-import functools
 
 import jax
 import optax
@@ -40,8 +39,9 @@ from linnet.data.packing import pack
 exit_on_user_error()
 parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--card", default="llama-3.1-8b-instruct")
-parser.add_argument("--data", default=None, help="a JSON-lines file of alpaca rows: instruction, input (optional), "
-                    "output (default: the hub's tatsu-lab/alpaca); shuffled, 8400 at most used")
+parser.add_argument("--data", default=None, help="a JSON-lines file, or a folder of datasets' save_to_disk, of "
+                    "chat rows (messages), prompt/completion rows or alpaca rows (instruction, input, output) "
+                    "(default: the hub's tatsu-lab/alpaca); shuffled, 8400 at most used")
 parser.add_argument("--held-out", type=at_least(1), default=200, help="rows kept out of training for the held-out "
                     "loss before and after (default 200)")
 parser.add_argument("--steps", type=at_least(1), default=30)
@@ -68,12 +68,12 @@ sft.check_resume(args.checkpoint, nest.resolve(args.card).name, args.steps)
 tokenizer = nest.tokenizer(args.card)
 sft.check_chat_template(tokenizer, args.card)
 
-example = functools.partial(sft.alpaca_example, tokenizer)  # an alpaca row as a prompted Example
+example = sft.example_maker(tokenizer)  # a row as an Example, the loss on the assistant's turns
 
 
 hosts.join()  # when started as one of several processes (machines): before any device is used
 mesh = default_mesh()  # every device; over several machines, a copy of the parts a machine
-training_rows, held_out_rows = sft.split_held_out(sft.alpaca_rows(args.data), args.held_out, args.data)
+training_rows, held_out_rows = sft.split_held_out(sft.data_rows(args.data), args.held_out, args.data)
 # --accumulate packed rows a device a step; each machine feeds its own devices.
 batches = sft.rows_for_run(pack(map(example, training_rows), TOKENS), args.steps, mesh.size, args.checkpoint,
                           "devices", args.accumulate)

@@ -1,10 +1,12 @@
 """What a user gives the fine-tuning examples, checked before the first step, so that a mistake costs
-seconds rather than a run: the rows of a JSON-lines file (read with errors that name the file, the line
-and what is wrong), the held-out split, enough packed rows for the steps asked for, the warm-up, and the
-folder the trained weights go to.
+seconds rather than a run: the rows of a JSON-lines file or of a `datasets` data set saved to disk
+(chat `messages`, `prompt`/`completion` or alpaca rows, linnet.data.chat; read with errors that name
+the file, the line and what is wrong), the held-out split, enough packed rows for the steps asked for,
+the warm-up, and the folder the trained weights go to.
 
-    rows = alpaca_rows("data/tasks.jsonl")               # shuffled (seed 0), at most 8400
+    rows = data_rows("data/tasks.jsonl")                 # shuffled (seed 0), at most 8400
     training, held_out = split_held_out(rows, 200, "data/tasks.jsonl")
+    example = example_maker(tokenizer)                   # a row as an Example (linnet.data.chat)
     batches = rows_for_run(pack(map(example, training), 4096), steps=30, ranks=world, checkpoint="ckpt")
 
 Every check raises a `linnet.errors.UserError`, whose message names the examples' options (--held-out,
@@ -25,33 +27,55 @@ import numpy as np
 
 from linnet.checkpoint import storage
 from linnet.checkpoint.folder import newest_manifest
+from linnet.data import chat
+from linnet.data.chat import ROW_FORMATS, check_row
 from linnet.errors import UserError
 from linnet.data.packing import Example, Row
 
-__all__ = ["alpaca_example", "alpaca_rows", "check_chat_template", "check_out_folder", "check_resume",
-           "enough_held_out", "read_rows", "rows_for_run", "split_held_out", "warmup_steps"]
+__all__ = ["check_chat_template", "check_out_folder", "check_resume", "data_rows", "enough_held_out", "example_maker",
+           "read_rows", "rows_for_run", "split_held_out", "warmup_steps"]
 
 ALPACA = "tatsu-lab/alpaca"
-ALPACA_ROW = 'a JSON object with the strings "instruction", "output" and, optionally, "input"'
 T = TypeVar("T")
-_JSON_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "true or false", type(None): "null"}
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
-    """The alpaca rows of a JSON-lines file: one JSON object a line (blank lines skipped), each with the
-    strings "instruction" and "output" and optionally "input" ("" where absent or null)."""
+    """The rows of a JSON-lines file, one JSON object a line (blank lines skipped), or of a `datasets` data set
+    saved to disk (a folder; its "train" split where it has several), each checked by chat.check_row."""
+    if Path(path).is_dir():
+        return _dataset_rows(Path(path))
     rows = []
     try:
         with open(path, "rb") as file:
             for number, line in enumerate(file, 1):
                 text = _decoded(line, path, number)
                 if text.strip():
-                    rows.append(_alpaca_row(text, path, number))
+                    rows.append(_row(text, path, number))
     except OSError as error:
         raise UserError(f"cannot read the data file {path}: {error.strerror or error}") from None
     if not rows:
-        raise UserError(f"{path} holds no rows: give one row a line, each {ALPACA_ROW}")
+        raise UserError(f"{path} holds no rows: give one row a line, each {ROW_FORMATS}")
     return rows
+
+
+def _dataset_rows(folder: Path) -> list[dict]:
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        data = load_from_disk(str(folder))
+    except (OSError, ValueError) as error:
+        raise UserError(f"--data {folder} is a folder, but not a data set that datasets' save_to_disk wrote "
+                        f"({str(error).splitlines()[0]}): give a JSON-lines file or such a folder") from None
+    if isinstance(data, DatasetDict):
+        if "train" not in data:
+            raise UserError(f"--data {folder} holds the splits {', '.join(data)}, and no 'train' split to train on")
+        data = data["train"]
+    if not len(data):
+        raise UserError(f"{folder} holds no rows: each row is {ROW_FORMATS}")
+    try:
+        return [check_row(row, f"{folder} row {index + 1}") for index, row in enumerate(data.to_list())]
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def _decoded(line: bytes, path, number: int) -> str:
@@ -62,29 +86,19 @@ def _decoded(line: bytes, path, number: int) -> str:
                         f"{error.start + 1}): save the file as UTF-8") from None
 
 
-def _alpaca_row(text: str, path, number: int) -> dict:
+def _row(text: str, path, number: int) -> dict:
     try:
         row = json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as error:
         raise UserError(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno}): "
-                        f"each line is {ALPACA_ROW}") from None
-    if not isinstance(row, dict):
-        raise UserError(f"{path}:{number}: a JSON {_JSON_KINDS.get(type(row), type(row).__name__)}, not a row: "
-                        f"each line is {ALPACA_ROW}")
-    missing = [field for field in ("instruction", "output") if field not in row]
-    if missing:
-        raise UserError(f"{path}:{number}: the row has no {' and no '.join(map(repr, missing))}: "
-                        f"each line is {ALPACA_ROW}")
-    if row.get("input") is None:
-        row["input"] = ""
-    for field in ("instruction", "input", "output"):
-        if not isinstance(row[field], str):
-            raise UserError(f"{path}:{number}: {field!r} is {json.dumps(row[field])}, not a string: "
-                            f"each line is {ALPACA_ROW}")
-    return row
+                        f"each line is {ROW_FORMATS}") from None
+    try:
+        return check_row(row, f"{path}:{number}")
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
-def alpaca_rows(path: str | None, *, seed: int = 0, most: int = 8400) -> list[dict]:
+def data_rows(path: str | None, *, seed: int = 0, most: int = 8400) -> list[dict]:
     """Up to `most` rows of `path` (None: the Hugging Face hub's tatsu-lab/alpaca) in a shuffled order:
     the order `datasets`' shuffle(seed) gives, so a run sees the rows it saw when it read them that way."""
     if path is None:
@@ -95,23 +109,28 @@ def alpaca_rows(path: str | None, *, seed: int = 0, most: int = 8400) -> list[di
         except (OSError, ConnectionError, ValueError) as error:  # offline, and not in the local cache
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise UserError(f"no --data given, and the hub's {ALPACA} cannot be read ({reason}): give --data a "
-                            f"JSON-lines file of alpaca rows, or download {ALPACA} first") from None
+                            f"JSON-lines file or a data set saved to disk, or download {ALPACA} first") from None
     else:
         rows = read_rows(path)
     order = np.random.default_rng(seed).permutation(len(rows))[:most]
     return [rows[index] for index in order]
 
 
-def alpaca_example(tokenizer, row: dict) -> Example:
-    """An alpaca row as the examples train on it: the instruction (and input) as a user turn in the tokenizer's
-    chat template, the loss on the output and its end-of-turn token; at most 1,024 prompt tokens, 2,048 in all."""
-    user = row["instruction"] + (f"\n\n{row['input']}" if row["input"] else "")
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
-    )
-    prompt = tokenizer(text, add_special_tokens=False)["input_ids"][-1024:]
-    answer = tokenizer(row["output"] + "<|eot_id|>", add_special_tokens=False)["input_ids"]
-    return Example.prompted(prompt, answer[: 2048 - len(prompt)])
+def example_maker(tokenizer):
+    """chat.example for the rows of --data, with the tokenizer bound; a row it cannot read is a UserError."""
+
+    def example(row: dict) -> Example:
+        try:
+            return chat.example(tokenizer, row)
+        except ValueError as error:
+            raise UserError(f"a row of --data ({_short(row)}): {error}") from None
+
+    return example
+
+
+def _short(row: dict) -> str:
+    text = json.dumps(row, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def split_held_out(rows: list[T], held_out: int, source: str | None) -> tuple[list[T], list[T]]:
