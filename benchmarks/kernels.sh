@@ -27,6 +27,9 @@
 #                                          benchmarks/memory_peak.py
 #   bash benchmarks/kernels.sh profile [1b]   two traced steps ("gather"; or 3b): the kernels by time, and the
 #                                          sources of the Triton ones among them (benchmarks/top_kernels.py)
+#   bash benchmarks/kernels.sh clip [1b 8b-w4]   train's clipping (max_grad_norm=1.0) and accumulation (4 rows a step)
+#                                          against its default, the optimizer stepping in the backward: 1b on one
+#                                          GPU, 8b as rank 0 of a simulated 4 ranks at 360 GB/s (sim_world.py)
 # Logs under $OUT (given on the command line, else benchmarks/results/DATE-GPU: benchmarks/stage.sh); each run's
 # RESULT line is printed.
 source "$(dirname "$0")/stage.sh"
@@ -34,6 +37,23 @@ case "${1:-}" in
   build)  # the extension alone (overlap.sh build also runs the GPU tests)
     CC=/usr/bin/gcc CXX=/usr/bin/g++ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
       || { tail -50 "$OUT/build.log"; exit 1; } ;;
+  clip)  # then the shapes, default both
+    shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 8b-w4)
+    for shape in "${shapes[@]}"; do
+      for mode in default clip clip-accumulate4; do
+        case $mode in
+          default) options=() ;;
+          clip) options=(--max-grad-norm 1.0) ;;
+          clip-accumulate4) options=(--max-grad-norm 1.0 --accumulate 4) ;;
+        esac
+        case $shape in
+          1b) run "linnet-1b-$mode" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-1b --steps 12 \
+                "${options[@]}" ;;
+          8b-w4) run "linnet-8b-w4-$mode" env SIM_WORLD=4 SIM_BUS_GBPS=360 LOCAL_RANK=0 \
+                   python3 benchmarks/sim_world.py benchmarks/step.py --card llama-3.1-8b --steps 8 "${options[@]}" ;;
+        esac
+      done
+    done ;;
   world1-8b)  # then the recompute policies, default both
     policies=("${@:2}"); [ ${#policies[@]} -gt 0 ] || policies=(full matmuls)
     for recompute in "${policies[@]}"; do

@@ -34,6 +34,10 @@ parser.add_argument("--reduce-dtype", default="f32", choices=["f32", "bf16"])
 parser.add_argument("--no-compile", action="store_true")
 parser.add_argument("--step-after", action="store_true", help="the optimizer steps after the backward, holding every "
                     "gradient at once (train(step_in_backward=False)); by default each part steps in the backward")
+parser.add_argument("--accumulate", type=int, default=1, help="rows a rank takes for one optimizer step (train's "
+                    "accumulate): the optimizer then steps after the last row's backward")
+parser.add_argument("--max-grad-norm", type=float, default=None, help="clip at this global gradient norm (train's "
+                    "max_grad_norm): the optimizer then steps after the backward, once the norm is known")
 parser.add_argument("--mesh", metavar="MACHINESxGPUS", help="hybrid sharding over a (replicate, shard) mesh of that "
                     "shape, e.g. 2x4 (default: one flat group)")
 parser.add_argument("--packed", action="store_true",
@@ -116,8 +120,10 @@ held_out = load_rows(args.held_out, rank, world) if args.held_out else None
 loss_start = evaluate(model, held_out) if held_out else None
 rows = (load_rows(args.rows, rank, world) if args.rows
         else random_rows(rank, args.tokens, model.checked.dims["Vocab"], args.packed))
-history = train(model, iter(rows), optimizer=optimizer, steps=args.steps,
-                on_step=on_step, step_in_backward=not args.step_after)
+whole_gradient = args.accumulate > 1 or args.max_grad_norm is not None  # train then steps after the backward
+history = train(model, iter(rows), optimizer=optimizer, steps=args.steps, on_step=on_step,
+                step_in_backward=not (args.step_after or whole_gradient), accumulate=args.accumulate,
+                max_grad_norm=args.max_grad_norm)
 if profiler is not None:
     profiler.stop()
     if rank == 0:
@@ -133,9 +139,11 @@ seq = args.tokens
 result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, recompute=args.recompute,
               reshard_after_forward=not args.no_reshard, loss=args.loss, casts_from_step=args.casts_from_step,
               prefetch=args.prefetch,
-              reduce_dtype=args.reduce_dtype, compiled=not args.no_compile, step_in_backward=not args.step_after,
-              params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq / step),
-              tflops_gpu=round(flops_per_token(model, seq) * seq / step / 1e12, 1),
+              reduce_dtype=args.reduce_dtype, compiled=not args.no_compile,
+              step_in_backward=not (args.step_after or whole_gradient), accumulate=args.accumulate,
+              max_grad_norm=args.max_grad_norm, row_s=round(step / args.accumulate, 4),
+              params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq * args.accumulate / step),
+              tflops_gpu=round(flops_per_token(model, seq) * seq * args.accumulate / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
               first_steps_s=[round(s.seconds, 2) for s in history.steps[:3]],
               setup_s=round(time.perf_counter() - start, 1),
