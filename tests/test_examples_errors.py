@@ -277,3 +277,9 @@ def test_tokens_too_few_for_any_answer_are_refused():
     chats = [Example.prompted(list(range(1, 41)), [4, 5, 6]) for _ in range(20)]
     message = raises(sft.rows_for_run, pack(chats, 2), 3, 2)
     assert message.startswith("--tokens 2 leaves no answer in the packed rows")
+
+
+def test_a_learning_rate_floor_above_the_peak_is_refused():
+    assert sft.lr_floor(0.1) == 0.1
+    assert raises(sft.lr_floor, 1.5) == ("--lr-floor 1.5 is a fraction of --lr, from 0 to 1: the learning rate at the "
+                                         "last step is --lr times it")

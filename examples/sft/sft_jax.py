@@ -31,7 +31,8 @@ from linnet import nest
 from linnet.recipes import sft
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error, non_negative_number, positive_number
 from linnet.jax import hosts
-from linnet.jax.train import default_mesh, evaluate, own_rows, train
+from linnet.jax.train import default_mesh, evaluate, lr_schedule, own_rows, train
+from linnet.schedules import SCHEDULES
 from linnet.data.packing import pack
 
 # A mistake in the options, the card or the data ends the run before it trains: one line, and exit
@@ -48,6 +49,10 @@ parser.add_argument("--steps", type=at_least(1), default=30)
 parser.add_argument("--warmup", type=at_least(0), default=None, help="steps of linear warm-up of the learning rate "
                     "(default 3, or --steps - 1 if fewer)")
 parser.add_argument("--lr", type=positive_number, default=1e-5)
+parser.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="the learning rate after the warm-up: "
+                    "constant, or falling in a line or along a cosine to --lr-floor at the last step (default cosine)")
+parser.add_argument("--lr-floor", type=non_negative_number, default=0.0, help="the learning rate at the last step, as "
+                    "a fraction of --lr (default 0)")
 parser.add_argument(
     "--no-remat", dest="remat", action="store_false", help="keep each layer for backward"
 )
@@ -62,6 +67,7 @@ parser.add_argument("--out", default=None, help="write the trained weights here 
 args = parser.parse_args()
 TOKENS = args.tokens  # positions in a packed row
 warmup = sft.warmup_steps(args.warmup, args.steps)
+floor = sft.lr_floor(args.lr_floor)
 sft.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
 
 sft.check_resume(args.checkpoint, nest.resolve(args.card).name, args.steps)
@@ -90,7 +96,7 @@ model = nest.load(
     generics={"Batch": 1, "MaxSeq": TOKENS, "T": "bf16"},
     cast_dtype=True,
 )
-schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, 0.0)
+schedule = lr_schedule(args.lr, args.schedule, warmup, args.steps, floor=floor)
 
 
 def report(step):

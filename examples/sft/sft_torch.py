@@ -26,7 +26,8 @@ from linnet.recipes import sft
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error, non_negative_number, positive_number
 from linnet.torch import fully_shard
 from linnet.torch.mesh import SHARDINGS, torchrun_mesh
-from linnet.torch.train import cosine_schedule, evaluate, pack, train
+from linnet.schedules import SCHEDULES
+from linnet.torch.train import evaluate, lr_schedule, pack, train
 
 # A mistake in the options, the card or the data ends the run before it trains: one line, from the
 # first process, and exit status 2 (tracebacks are for bugs).
@@ -42,6 +43,10 @@ parser.add_argument("--steps", type=at_least(1), default=30)
 parser.add_argument("--warmup", type=at_least(0), default=None, help="steps of linear warm-up of the learning rate "
                     "(default 3, or --steps - 1 if fewer)")
 parser.add_argument("--lr", type=positive_number, default=1e-5)
+parser.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="the learning rate after the warm-up: "
+                    "constant, or falling in a line or along a cosine to --lr-floor at the last step (default cosine)")
+parser.add_argument("--lr-floor", type=non_negative_number, default=0.0, help="the learning rate at the last step, as "
+                    "a fraction of --lr (default 0)")
 parser.add_argument("--tokens", type=at_least(2), default=4096, help="positions in a packed row")
 parser.add_argument("--accumulate", type=at_least(1), default=1, help="packed rows a process takes for one optimizer "
                     "step, their gradients summed (gradient accumulation; default 1)")
@@ -56,6 +61,7 @@ parser.add_argument("--sharding", choices=SHARDINGS, default="auto", help="flat:
 args = parser.parse_args()
 TOKENS = args.tokens
 warmup = sft.warmup_steps(args.warmup, args.steps)
+floor = sft.lr_floor(args.lr_floor)
 
 cuda = torch.cuda.is_available()
 torch.distributed.init_process_group("nccl" if cuda else "gloo")
@@ -96,7 +102,7 @@ if rank == 0:
     print(f"each weight in {parts} parts{copies}", flush=True)
 trained = [p for p in model.parameters() if p.requires_grad]
 optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
-schedule = cosine_schedule(optimizer, warmup, args.steps, floor=0.0)
+schedule = lr_schedule(optimizer, args.schedule, warmup, args.steps, floor=floor)
 
 
 def report(step):

@@ -52,13 +52,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from linnet.checkpoint import resume_check
 from linnet.emit import prims_jax
 from linnet.history import History, Progress, Step, stop_unless_finite
+from linnet.schedules import lr_factor
 from linnet.jax import shard
 from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
 from linnet.jax.model import JAX_DTYPES, JaxModel
 from linnet.jax.xla import xla_options
 from linnet.data.packing import LOSS_PACKED_INPUTS, Row, stack_rows
 
-__all__ = ["default_mesh", "evaluate", "own_rows", "train"]
+__all__ = ["default_mesh", "evaluate", "lr_schedule", "own_rows", "train"]
 
 T = TypeVar("T")
 
@@ -295,6 +296,14 @@ def _check(model, mesh: Mesh) -> None:
                 raise ValueError(f"over several processes each replica lies inside one process (its 'shard' axis "
                                  f"over that process's devices: linnet.jax.train.default_mesh()); the mesh "
                                  f"{dict(mesh.shape)} splits the parts across processes")
+
+
+def lr_schedule(peak: float, name: str, warmup: int, steps: int, floor: float = 0.0) -> optax.Schedule:
+    """The learning rate of linnet.schedules' `name` ("constant", "linear" or "cosine") over `steps` from `peak`,
+    after a linear warm-up of `warmup` steps, falling to `floor` times `peak`: the same as PyTorch's
+    linnet.torch.train.lr_schedule, step for step."""
+    factor = lr_factor(name, warmup, steps, floor, xp=jnp)
+    return lambda count: peak * factor(count)
 
 
 def default_mesh() -> Mesh:

@@ -33,7 +33,7 @@ from linnet.errors import UserError
 from linnet.data.packing import Example, Row
 
 __all__ = ["check_chat_template", "check_out_folder", "check_resume", "data_rows", "enough_held_out", "example_maker",
-           "read_rows", "rows_for_run", "split_held_out", "warmup_steps"]
+           "lr_floor", "read_rows", "rows_for_run", "split_held_out", "warmup_steps"]
 
 ALPACA = "tatsu-lab/alpaca"
 T = TypeVar("T")
@@ -114,6 +114,14 @@ def data_rows(path: str | None, *, seed: int = 0, most: int = 8400) -> list[dict
         rows = read_rows(path)
     order = np.random.default_rng(seed).permutation(len(rows))[:most]
     return [rows[index] for index in order]
+
+
+def lr_floor(floor: float) -> float:
+    """--lr-floor, a fraction of --lr: at most 1, or a UserError."""
+    if floor > 1:
+        raise UserError(f"--lr-floor {floor} is a fraction of --lr, from 0 to 1: the learning rate at the last step "
+                        f"is --lr times it")
+    return floor
 
 
 def example_maker(tokenizer):

@@ -37,26 +37,25 @@ import torch.distributed as dist
 from linnet.torch import watchdog
 from linnet.torch.agree import cpu_group, raise_together
 from linnet.history import History, Progress, Step, stop_unless_finite
+from linnet.schedules import lr_factor
 from linnet.data.packing import Example, Row, pack, stack_rows
 from linnet.torch.step_in_backward import stepping_in_backward, supported
 from linnet.torch.hybrid import backward_and_step
 
-__all__ = ["Example", "pack", "row_tensors", "cosine_schedule", "clip_grad_norm", "train", "evaluate", "History",
-           "Step"]
+__all__ = ["Example", "pack", "row_tensors", "lr_schedule", "cosine_schedule", "clip_grad_norm", "train", "evaluate",
+           "History", "Step"]
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, name: str, warmup: int, steps: int, floor: float = 0.0):
+    """The learning rate of linnet.schedules' `name` ("constant", "linear" or "cosine") over `steps`, after a
+    linear warm-up of `warmup` steps, falling to `floor` times the peak (the optimizer's lr)."""
+    factor = lr_factor(name, warmup, steps, floor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(factor(step)))
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, floor: float = 0.0):
     """Linear warm-up over `warmup` steps, then a cosine down to `floor` times the peak at `steps`."""
-    if not 0 <= warmup <= steps:
-        raise ValueError(f"cosine_schedule needs 0 <= warmup <= steps, got warmup={warmup}, steps={steps}")
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, steps - warmup)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return lr_schedule(optimizer, "cosine", warmup, steps, floor)
 
 
 def _world() -> tuple[int, int]:
