@@ -24,6 +24,7 @@ class Step:
     loss_tokens: float  # loss weight in the global batch (answer tokens, for prompted examples)
     lr: float  # NaN where the optimizer does not expose it (optax without inject_hyperparams)
     grad_norm: float | None = None  # the global gradient norm before clipping; None where the run did not clip
+    held_out_loss: float | None = None  # after this step, where the run evaluated (eval_every)
 
 
 @dataclass
@@ -50,12 +51,13 @@ class Progress:
     def __call__(self, step: Step) -> None:
         self.seconds.append(step.seconds)
         now = time.monotonic()
-        if self.rank != 0 or (now - self.last < self.every and step.step != self.steps):
+        if self.rank != 0 or (now - self.last < self.every and step.step != self.steps and step.held_out_loss is None):
             return
         self.last = now
         recent = sorted(self.seconds[-20:])[len(self.seconds[-20:]) // 2]
         left = recent * (self.steps - step.step)
         norm = "" if step.grad_norm is None else f"  grad norm {step.grad_norm:.3f}"
+        norm += "" if step.held_out_loss is None else f"  held-out loss {step.held_out_loss:.4f}"
         print(f"step {step.step}/{self.steps}  loss {step.loss:.4f}{norm}  {step.tokens / recent:,.0f} tokens/s  "
               f"{left / 60:.1f} min left", file=sys.stderr, flush=True)
 

@@ -62,6 +62,8 @@ parser.add_argument("--accumulate", type=at_least(1), default=1, help="packed ro
 parser.add_argument("--max-grad-norm", type=non_negative_number, default=1.0, help="clip the gradients at this "
                     "global norm (default 1.0, as TRL and torchtitan; 0: no clipping)")
 parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps, and resume from it")
+parser.add_argument("--eval-every", type=at_least(1), default=None, help="the held-out loss every this many steps, "
+                    "and after the last (default: before and after the run only)")
 parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
 args = parser.parse_args()
@@ -103,6 +105,7 @@ def report(step):
     if jax.process_index() != 0:  # one machine reports the run (the loss is the whole step's)
         return
     norm = "" if step.grad_norm is None else f", grad norm {step.grad_norm:.3f}"
+    norm += "" if step.held_out_loss is None else f", held-out loss {step.held_out_loss:.3f}"
     print(f"step {step.step}: loss {step.loss:.3f}{norm}, {step.seconds:.2f} s", flush=True)
 
 
@@ -119,6 +122,7 @@ params, history = train(
     checkpoint_every=args.checkpoint_every,
     accumulate=args.accumulate,
     max_grad_norm=args.max_grad_norm or None,
+    **(dict(eval_rows=held_out, eval_every=args.eval_every) if args.eval_every else {}),
 )
 after = evaluate(model, held_out)
 step = history.median_seconds()

@@ -53,6 +53,8 @@ parser.add_argument("--accumulate", type=at_least(1), default=1, help="packed ro
 parser.add_argument("--max-grad-norm", type=non_negative_number, default=1.0, help="clip the gradients at this "
                     "global norm (default 1.0, as TRL and torchtitan; 0: no clipping)")
 parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps, and resume from it")
+parser.add_argument("--eval-every", type=at_least(1), default=None, help="the held-out loss every this many steps, "
+                    "and after the last (default: before and after the run only)")
 parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
 parser.add_argument("--sharding", choices=SHARDINGS, default="auto", help="flat: every process shares out every "
@@ -108,6 +110,7 @@ schedule = lr_schedule(optimizer, args.schedule, warmup, args.steps, floor=floor
 def report(step):
     if rank == 0:
         norm = "" if step.grad_norm is None else f", grad norm {step.grad_norm:.3f}"
+        norm += "" if step.held_out_loss is None else f", held-out loss {step.held_out_loss:.3f}"
         print(f"step {step.step}: loss {step.loss:.3f}{norm}, {step.seconds:.2f} s", flush=True)
 
 
@@ -123,6 +126,7 @@ history = train(
     checkpoint_every=args.checkpoint_every,
     accumulate=args.accumulate,
     max_grad_norm=args.max_grad_norm or None,
+    **(dict(eval_rows=held_out[rank::world], eval_every=args.eval_every) if args.eval_every else {}),
 )
 after = evaluate(model, held_out[rank::world])
 peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=device)

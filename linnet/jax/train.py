@@ -78,6 +78,8 @@ def train(
     checkpoint_every: int | None = None,
     accumulate: int = 1,
     max_grad_norm: float | None = None,
+    eval_rows: list[Row] | None = None,
+    eval_every: int | None = None,
 ) -> tuple[dict, History]:
     """`steps` optimizer steps, each over accumulate x mesh.size x Batch rows of `batches`; returns (params,
     history): params the model's parts (each group one flat f32 array split over the mesh), which it keeps.
@@ -88,6 +90,8 @@ def train(
     max_grad_norm: clip the gradients at this global norm, as torch.nn.utils.clip_grad_norm_ does (scaled
         by max_grad_norm / (norm + 1e-6) where that is below 1); each step's norm before clipping is in its
         Step.grad_norm. None: no clipping.
+    eval_rows, eval_every: every `eval_every` steps, and after the last, the held-out loss over `eval_rows` (every
+        process holds them all, as `evaluate` takes them) in that Step.held_out_loss; its time is no step's.
 
     remat: recompute each layer (and gather its weights again) in the backward, keeping only its input;
         with the fast numerics the loss's chunks too (prims_jax.cross_entropy_chunked).
@@ -110,6 +114,11 @@ def train(
         raise ValueError(f"train(accumulate={accumulate!r}): batches a step, a whole number of at least 1")
     if max_grad_norm is not None and not 0 < max_grad_norm < float("inf"):
         raise ValueError(f"train(max_grad_norm={max_grad_norm!r}): a finite norm above 0, or None for no clipping")
+    if (eval_every is None) != (eval_rows is None) or (eval_every is not None and eval_every < 1):
+        raise ValueError(f"train(eval_every={eval_every!r}) takes eval_rows, and a whole number of steps of at least 1")
+    if eval_every is not None and scan_layers:
+        raise ValueError("train(eval_every=...) evaluates the parts a layer at a time, not stacked: "
+                         "not with scan_layers=True")
     rows_a_step = accumulate * mesh.size * model.generics["Batch"]
     layouts = shard.group_layouts(model.checked, shard.shards(mesh))
     # The folder is checked and held before the weights are built: a run that cannot save fails at once.
@@ -120,7 +129,7 @@ def train(
         writer=jax.process_index() == 0)
     try:
         return _train(model, batches, optimizer, steps, mesh, remat, scan_layers, on_step, checkpointer,
-                      checkpoint_every, layouts, accumulate, max_grad_norm)
+                      checkpoint_every, layouts, accumulate, max_grad_norm, eval_rows, eval_every)
     finally:
         if checkpointer is not None:
             checkpointer.close()
@@ -129,7 +138,7 @@ def train(
 def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTransformation, steps: int,
            mesh: Mesh, remat: bool, scan_layers: bool, on_step: Callable[[Step], None] | None,
            checkpointer: JaxCheckpointer | None, checkpoint_every: int | None, layouts, accumulate: int,
-           max_grad_norm: float | None) -> tuple[dict, History]:
+           max_grad_norm: float | None, eval_rows: list[Row] | None, eval_every: int | None) -> tuple[dict, History]:
     batch = model.generics["Batch"]
     rows_a_batch = mesh.size * batch
     rows_a_step = accumulate * rows_a_batch
@@ -193,8 +202,11 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             model.params = parts
             rows_consumed += rows_a_step
             grad_norm = None if max_grad_norm is None else float(norm.addressable_data(0))
+            held_out = None
+            if eval_every is not None and (step % eval_every == 0 or step == steps):
+                held_out = _evaluate_sharded(model, eval_rows, shard.ShardedWeights(parts, layouts, mesh))
             record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state),
-                          grad_norm)
+                          grad_norm, held_out)
             history.steps.append(record)
             report(record)
             stop_unless_finite(record, checkpointer)

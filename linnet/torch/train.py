@@ -25,6 +25,7 @@ runs (linnet/torch/hybrid.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -213,6 +214,8 @@ def train(
     step_in_backward: bool | None = None,
     accumulate: int = 1,
     max_grad_norm: float | None = None,
+    eval_rows: Sequence[Row] | None = None,
+    eval_every: int | None = None,
 ) -> History:
     """`steps` optimizer steps over `batches` (this rank's rows, `accumulate` of them a step); resumes from
     `checkpoint` if it holds one, and saves into it every `checkpoint_every` steps (if given) and after the
@@ -225,6 +228,9 @@ def train(
 
     max_grad_norm: clip the gradients at this global norm (None: no clipping). Each step's norm before
     clipping is in its Step.grad_norm, and in the progress line.
+
+    eval_rows, eval_every: every `eval_every` steps, and after the last, `evaluate(model, eval_rows)` (this
+    rank's held-out rows) once the step is done, in that Step.held_out_loss; its time is no step's.
 
     step_in_backward: the optimizer steps each part in the backward, where its gradient is complete, so
     that no step holds every gradient at once (with replicas, until the backward's waits across them;
@@ -245,6 +251,8 @@ def train(
         raise ValueError(f"train(accumulate={accumulate!r}): rows a rank takes a step, a whole number of at least 1")
     if max_grad_norm is not None and not 0 < max_grad_norm < math.inf:
         raise ValueError(f"train(max_grad_norm={max_grad_norm!r}): a finite norm above 0, or None for no clipping")
+    if (eval_every is None) != (eval_rows is None) or (eval_every is not None and eval_every < 1):
+        raise ValueError(f"train(eval_every={eval_every!r}) takes eval_rows, and a whole number of steps of at least 1")
     whole_gradient = ("accumulate > 1 needs every row's gradient before a part steps" if accumulate > 1 else
                       "max_grad_norm needs the norm over every part before a part steps"
                       if max_grad_norm is not None else None)
@@ -253,7 +261,7 @@ def train(
     try:
         with stepping:
             return _train(model, batches, optimizer, steps, schedule, on_step, checkpointer, checkpoint_every,
-                          accumulate, max_grad_norm)
+                          accumulate, max_grad_norm, eval_rows, eval_every)
     except RuntimeError as error:
         # A collective that failed because peers went away (a machine died): name them, not an address.
         if watchdog.from_communication(error) and (lost := watchdog.lost_ranks()) is not None:
@@ -276,7 +284,7 @@ def _stepping(model, optimizer: torch.optim.Optimizer, asked: bool | None, whole
 
 def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, steps: int, schedule,
            on_step: Callable[[Step], None] | None, checkpointer, checkpoint_every: int | None, accumulate: int,
-           max_grad_norm: float | None) -> History:
+           max_grad_norm: float | None, eval_rows: Sequence[Row] | None, eval_every: int | None) -> History:
     rank, world = _world()
     history = History()
     rows: Iterator[Row] = iter(batches)
@@ -297,7 +305,11 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
     def read_launched() -> None:
         nonlocal launched
         if launched is not None:
-            history.steps.append(launched.record(clock))
+            record = launched.record(clock)
+            if eval_every is not None and (record.step % eval_every == 0 or record.step == steps):
+                record = dataclasses.replace(record, held_out_loss=evaluate(model, eval_rows))
+                clock.restart()
+            history.steps.append(record)
             report(history.steps[-1])
             launched = None
             stop_unless_finite(history.steps[-1], checkpointer)
@@ -342,6 +354,8 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
                                  tokens=world * sum(len(row.tokens) for row in batch), lr=lr)
         read_launched()  # the step before, while the device runs this one
         launched = this_step
+        if eval_every is not None and (step % eval_every == 0 or step == steps):
+            read_launched()  # evaluated after this step, before the next is launched
         rows_consumed += world * accumulate
         if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
             read_launched()

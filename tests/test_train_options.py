@@ -1,4 +1,4 @@
-"""train(accumulate=, max_grad_norm=) in PyTorch: over 2 Gloo ranks, 3 rows a rank a step, clipped at a
+"""train's options of a fine-tuning run, in PyTorch and JAX. accumulate= and max_grad_norm=: over 2 Gloo ranks, 3 rows a rank a step, clipped at a
 norm the gradients exceed, equals one unsharded process that trains the same 6 rows a step as one batch
 (the token-weighted mean of their losses) and calls torch.nn.utils.clip_grad_norm_: the same losses, the
 same norms as Step.grad_norm, the same final weights. AdamW's eps is raised to 1e-3: at its default an
@@ -184,3 +184,44 @@ def test_jax_accumulated_clipped_training_over_four_devices_equals_one_batch(car
     assert weights.keys() == expected_weights.keys()
     for name, expected in expected_weights.items():
         np.testing.assert_allclose(weights[name], expected, rtol=0, atol=1e-4 * np.abs(expected).max(), err_msg=name)
+
+
+def evaluated(rank: int, world: int, card, steps: int, eval_every: int | None):
+    from linnet.torch import fully_shard
+    from linnet.torch.train import evaluate, train
+
+    torch.set_num_threads(1)
+    model = fully_shard(load(card))
+    optimizer = torch.optim.AdamW(list(model.parameters()), **OPTIMIZER)
+    held_out = rows()[-2:]
+    options = dict(eval_rows=held_out[rank::world], eval_every=eval_every) if eval_every else {}
+    history = train(model, iter(rows()[rank::world]), optimizer=optimizer, steps=steps, on_step=lambda s: None,
+                    **options)
+    return [s.held_out_loss for s in history.steps], evaluate(model, held_out[rank::world])
+
+
+def test_the_held_out_loss_every_few_steps_is_that_after_those_steps(card):
+    during, after = run(evaluated, WORLD, card, 3, 2, timeout=300)[0]
+    assert during[0] is None and during[2] == pytest.approx(after, rel=1e-6)  # step 3: the last
+    _, after_two = run(evaluated, WORLD, card, 2, None, timeout=300)[0]
+    assert during[1] == pytest.approx(after_two, rel=1e-6)
+
+
+def test_jax_evaluates_the_held_out_loss_every_few_steps(card, tmp_path):
+    import jax
+    import optax
+    from jax.sharding import Mesh
+
+    from linnet.jax import evaluate, train as jax_train
+
+    def trained(steps, eval_every):
+        model = nest.load(card, backend="jax_source", entry="loss_packed", numerics="exact", cast_dtype=True,
+                          generics={"Batch": 1, "MaxSeq": ROW, "T": "f32"}, weights="random", seed=0)
+        options = dict(eval_rows=rows()[-2:], eval_every=eval_every) if eval_every else {}
+        _, history = jax_train(model, rows(), optimizer=optax.adamw(1e-3), steps=steps, on_step=lambda s: None,
+                               mesh=Mesh(np.array(jax.devices()[:2]), ("data",)), **options)
+        return [s.held_out_loss for s in history.steps], evaluate(model, rows()[-2:])
+
+    during, after = trained(3, 2)
+    assert during[0] is None and during[2] == pytest.approx(after, rel=1e-6)
+    assert during[1] == pytest.approx(trained(2, None)[1], rel=1e-6)
