@@ -2,11 +2,10 @@
 step_jax.py (JAX) train on, the model FLOPs a token they report, and the CUDA
 clock of the kernel benchmarks (adam_bench.py, fused_linears.py)."""
 
-import math
-
 import numpy as np
 
 from linnet.data.packing import Row
+from linnet.metrics import flops_per_token, parameters  # noqa: F401  (the benchmarks' own names)
 
 
 def random_rows(seed: int, tokens: int, vocab: int, packed: bool = False):
@@ -44,18 +43,6 @@ def load_rows(path, rank: int = 0, world: int = 1) -> list:
         fields = {f: arrays[f][rank::world] for f in FIELDS}
     return [Row(**{f: fields[f][i] for f in FIELDS}, filled=len(fields["tokens"][i]))
             for i in range(len(fields["tokens"]))]
-
-
-def parameters(model) -> int:
-    return sum(math.prod(s.shape) for s in model.specs())
-
-
-def flops_per_token(model, seq: int) -> int:
-    """6 x the matrix-product parameters, plus causal attention's 6 x layers x seq x D."""
-    checked = model.checked
-    tied = bool(checked.consts["tied"])
-    matmul = parameters(model) if tied else parameters(model) - checked.dims["Vocab"] * checked.dims["D"]
-    return 6 * matmul + 6 * checked.dims["Layers"] * seq * checked.dims["D"]
 
 
 def cuda_seconds(function, repeats: int, warmup: int = 1) -> float:

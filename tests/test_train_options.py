@@ -1,8 +1,10 @@
-"""train's options of a fine-tuning run, in PyTorch and JAX. accumulate= and max_grad_norm=: over 2 Gloo ranks, 3 rows a rank a step, clipped at a
-norm the gradients exceed, equals one unsharded process that trains the same 6 rows a step as one batch
-(the token-weighted mean of their losses) and calls torch.nn.utils.clip_grad_norm_: the same losses, the
-same norms as Step.grad_norm, the same final weights. AdamW's eps is raised to 1e-3: at its default an
-element whose gradient is near zero moves a full step either way, and rounding picks the way."""
+"""train's options of a fine-tuning run, in PyTorch and JAX. accumulate= and max_grad_norm=: over 2 Gloo
+ranks, 3 rows a rank a step, clipped at a norm the gradients exceed, equals one unsharded process that
+trains the same 6 rows a step as one batch (the token-weighted mean of their losses) and calls
+torch.nn.utils.clip_grad_norm_: the same losses, the same norms as Step.grad_norm, the same final weights,
+resumed mid-way on other ranks too, and in JAX over 4 devices. eval_every= puts the held-out loss after
+those steps in the Step. AdamW's eps is raised to 1e-3: at its default an element whose gradient is near
+zero moves a full step either way, and rounding picks the way."""
 
 from __future__ import annotations
 

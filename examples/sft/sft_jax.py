@@ -32,6 +32,7 @@ from linnet.recipes import sft
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error, non_negative_number, positive_number
 from linnet.jax import hosts
 from linnet.jax.train import default_mesh, evaluate, lr_schedule, own_rows, train
+from linnet.metrics import Metrics, flops_per_token, peak_flops
 from linnet.schedules import SCHEDULES
 from linnet.data.packing import pack
 
@@ -65,11 +66,16 @@ parser.add_argument("--checkpoint", default=None, help="save here every --checkp
 parser.add_argument("--eval-every", type=at_least(1), default=None, help="the held-out loss every this many steps, "
                     "and after the last (default: before and after the run only)")
 parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
+parser.add_argument("--metrics", default=None, help="append each step's metrics to this JSON-lines file (default: "
+                    "metrics.jsonl in the --checkpoint folder, if given); TensorBoard's files go beside it when "
+                    "tensorboard is installed")
+parser.add_argument("--wandb", metavar="PROJECT", default=None, help="log the metrics to this W&B project too")
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
 args = parser.parse_args()
 TOKENS = args.tokens  # positions in a packed row
 warmup = sft.warmup_steps(args.warmup, args.steps)
 floor = sft.lr_floor(args.lr_floor)
+metrics_path = sft.metrics_path(args.metrics, args.checkpoint, args.wandb)
 sft.check_out_folder(args.out, args.card)  # writable, with room: now, rather than after training
 
 sft.check_resume(args.checkpoint, nest.resolve(args.card).name, args.steps)
@@ -101,7 +107,21 @@ model = nest.load(
 schedule = lr_schedule(args.lr, args.schedule, warmup, args.steps, floor=floor)
 
 
+def peak_memory_gib() -> float:
+    return max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()) / 2**30
+
+
+gpus = jax.devices()[0].platform == "gpu"
+metrics = None if metrics_path is None else Metrics(
+    metrics_path, flops_per_token=flops_per_token(model, TOKENS), devices=mesh.size,
+    peak_flops=peak_flops(jax.devices()[0].device_kind) if gpus else None,
+    peak_memory=peak_memory_gib if gpus else None, writer=jax.process_index() == 0, wandb_project=args.wandb,
+    config=vars(args))
+
+
 def report(step):
+    if metrics is not None:
+        metrics(step)
     if jax.process_index() != 0:  # one machine reports the run (the loss is the whole step's)
         return
     norm = "" if step.grad_norm is None else f", grad norm {step.grad_norm:.3f}"
@@ -113,7 +133,7 @@ before = evaluate(model, held_out)
 params, history = train(
     model,
     batches,
-    optimizer=optax.adamw(schedule, weight_decay=0.0),
+    optimizer=optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.0),  # its lr reported
     steps=args.steps,
     mesh=mesh,
     remat=args.remat,
@@ -125,9 +145,10 @@ params, history = train(
     **(dict(eval_rows=held_out, eval_every=args.eval_every) if args.eval_every else {}),
 )
 after = evaluate(model, held_out)
+if metrics is not None:
+    metrics.close()
 step = history.median_seconds()
-peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()) / 2**30
-gpus = jax.devices()[0].platform == "gpu"
+peak = peak_memory_gib()
 memory = f"peak {peak:.1f} GiB a GPU" if gpus else "on the CPU"
 speed = "no steps left to run" if step is None else (
     f"{step:.2f} s a step ({mesh.size * args.accumulate * TOKENS / step:.0f} positions/s on {mesh.size} "

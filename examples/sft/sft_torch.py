@@ -26,6 +26,7 @@ from linnet.recipes import sft
 from linnet.errors import ArgumentParser, at_least, exit_on_user_error, non_negative_number, positive_number
 from linnet.torch import fully_shard
 from linnet.torch.mesh import SHARDINGS, torchrun_mesh
+from linnet.metrics import Metrics, flops_per_token, peak_flops
 from linnet.schedules import SCHEDULES
 from linnet.torch.train import evaluate, lr_schedule, pack, train
 
@@ -56,6 +57,10 @@ parser.add_argument("--checkpoint", default=None, help="save here every --checkp
 parser.add_argument("--eval-every", type=at_least(1), default=None, help="the held-out loss every this many steps, "
                     "and after the last (default: before and after the run only)")
 parser.add_argument("--checkpoint-every", type=at_least(1), default=100)
+parser.add_argument("--metrics", default=None, help="append each step's metrics to this JSON-lines file (default: "
+                    "metrics.jsonl in the --checkpoint folder, if given); TensorBoard's files go beside it when "
+                    "tensorboard is installed")
+parser.add_argument("--wandb", metavar="PROJECT", default=None, help="log the metrics to this W&B project too")
 parser.add_argument("--out", default=None, help="write the trained weights here (bf16)")
 parser.add_argument("--sharding", choices=SHARDINGS, default="auto", help="flat: every process shares out every "
                     "layer; hybrid: shared out inside each machine, one copy a machine; auto (default): hybrid when "
@@ -64,6 +69,7 @@ args = parser.parse_args()
 TOKENS = args.tokens
 warmup = sft.warmup_steps(args.warmup, args.steps)
 floor = sft.lr_floor(args.lr_floor)
+metrics_path = sft.metrics_path(args.metrics, args.checkpoint, args.wandb)
 
 cuda = torch.cuda.is_available()
 torch.distributed.init_process_group("nccl" if cuda else "gloo")
@@ -107,7 +113,16 @@ optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
 schedule = lr_schedule(optimizer, args.schedule, warmup, args.steps, floor=floor)
 
 
+metrics = None if metrics_path is None else Metrics(
+    metrics_path, flops_per_token=flops_per_token(model, TOKENS), devices=world,
+    peak_flops=peak_flops(torch.cuda.get_device_name()) if cuda else None,
+    peak_memory=(lambda: torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
+    writer=rank == 0, wandb_project=args.wandb, config=vars(args))
+
+
 def report(step):
+    if metrics is not None:
+        metrics(step)
     if rank == 0:
         norm = "" if step.grad_norm is None else f", grad norm {step.grad_norm:.3f}"
         norm += "" if step.held_out_loss is None else f", held-out loss {step.held_out_loss:.3f}"
@@ -138,6 +153,8 @@ if rank == 0:
         f"{step:.2f} s a step ({world * args.accumulate * TOKENS / step:.0f} positions/s on {world} "
         f"{'GPUs' if cuda else 'processes'})")
     print(f"{speed}, {memory}, held-out loss {before:.3f} to {after:.3f}")
+if metrics is not None:
+    metrics.close()
 if args.out is not None:
     # Every process calls it: the parts are gathered, and the first writes.
     model.save_weights(args.out, dtype=torch.bfloat16)

@@ -14,6 +14,7 @@ Every check raises a `linnet.errors.UserError`, whose message names the examples
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -33,7 +34,7 @@ from linnet.errors import UserError
 from linnet.data.packing import Example, Row
 
 __all__ = ["check_chat_template", "check_out_folder", "check_resume", "data_rows", "enough_held_out", "example_maker",
-           "lr_floor", "read_rows", "rows_for_run", "split_held_out", "warmup_steps"]
+           "lr_floor", "metrics_path", "read_rows", "rows_for_run", "split_held_out", "warmup_steps"]
 
 ALPACA = "tatsu-lab/alpaca"
 T = TypeVar("T")
@@ -114,6 +115,16 @@ def data_rows(path: str | None, *, seed: int = 0, most: int = 8400) -> list[dict
         rows = read_rows(path)
     order = np.random.default_rng(seed).permutation(len(rows))[:most]
     return [rows[index] for index in order]
+
+
+def metrics_path(metrics: str | None, checkpoint: str | None, wandb_project: str | None) -> str | None:
+    """Where the step metrics go: --metrics, else metrics.jsonl in the --checkpoint folder, else nowhere; or a
+    UserError, before anything is built, for a --wandb project without wandb installed."""
+    if wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"--wandb {wandb_project}: wandb is not installed: pip install wandb, or leave --wandb out")
+    if metrics is None and checkpoint is not None:
+        return os.path.join(checkpoint, "metrics.jsonl")
+    return metrics
 
 
 def lr_floor(floor: float) -> float:
