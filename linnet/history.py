@@ -41,25 +41,40 @@ class History:
 
 
 class Progress:
-    """Without on_step: the first rank prints step, loss, tokens/s and time left, every few seconds."""
+    """Without on_step: what the first rank shows of the run. On a terminal, a bar rewritten each step;
+    elsewhere (a log file), a line every few seconds. Each shows the step, the loss, the gradient norm and
+    held-out loss where there are any, tokens/s and the time left; a step with a held-out loss always
+    gets a line of its own."""
 
-    def __init__(self, steps: int, rank: int, every_seconds: float = 10.0):
+    BAR = 24  # characters
+
+    def __init__(self, steps: int, rank: int, every_seconds: float = 10.0, stream=None):
         self.steps, self.rank, self.every = steps, rank, every_seconds
+        self.stream = stream or sys.stderr
+        self.bar = bool(getattr(self.stream, "isatty", lambda: False)())
         self.last = -math.inf
         self.seconds: list[float] = []
 
     def __call__(self, step: Step) -> None:
         self.seconds.append(step.seconds)
         now = time.monotonic()
-        if self.rank != 0 or (now - self.last < self.every and step.step != self.steps and step.held_out_loss is None):
+        due = now - self.last >= self.every or step.step == self.steps or step.held_out_loss is not None
+        if self.rank != 0 or not (self.bar or due):
             return
         self.last = now
         recent = sorted(self.seconds[-20:])[len(self.seconds[-20:]) // 2]
         left = recent * (self.steps - step.step)
         norm = "" if step.grad_norm is None else f"  grad norm {step.grad_norm:.3f}"
         norm += "" if step.held_out_loss is None else f"  held-out loss {step.held_out_loss:.4f}"
-        print(f"step {step.step}/{self.steps}  loss {step.loss:.4f}{norm}  {step.tokens / recent:,.0f} tokens/s  "
-              f"{left / 60:.1f} min left", file=sys.stderr, flush=True)
+        line = (f"step {step.step}/{self.steps}  loss {step.loss:.4f}{norm}  {step.tokens / recent:,.0f} tokens/s  "
+                f"{left / 60:.1f} min left")
+        if not self.bar:
+            print(line, file=self.stream, flush=True)
+            return
+        filled = round(self.BAR * step.step / self.steps)
+        ends = "\n" if step.step == self.steps or step.held_out_loss is not None else ""
+        self.stream.write(f"\r[{'#' * filled}{'.' * (self.BAR - filled)}] {line}\033[K{ends}")
+        self.stream.flush()
 
 
 def stop_unless_finite(step: Step, checkpointer) -> None:
