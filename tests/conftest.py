@@ -2,6 +2,7 @@
 LIMIT_S has each of its tests bounded by that many seconds, and tests marked `slow` (more variants of
 what another test covers) run only with `--all`."""
 
+import fnmatch
 import os
 import signal
 import sys
@@ -41,7 +42,66 @@ def pytest_addoption(parser):
                           "default run covers once")
 
 
+# Further variants of what the default run covers once, by test id (fnmatch patterns; "[[]" is a literal
+# "["): other world sizes, the compiled or untied twin of a test whose eager or tied form runs, more meshes,
+# and the example scripts' slower runs. `pytest --all tests` runs them too.
+SLOW = (
+    "test_fully_shard.py::test_sharded_training_equals_single_process[[]1]",
+    "test_fully_shard.py::test_sharded_training_equals_single_process[[]4]",
+    "test_fully_shard.py::test_a_looked_up_embedding_trains_as_single_process[[][34]-None]",
+    "test_fully_shard.py::test_a_looked_up_embedding_trains_as_single_process[[]2-inductor]",
+    "test_fully_shard.py::test_a_looked_up_tables_gradient_is_single_process_one[[][24]]",
+    "test_fully_shard.py::test_gathers_kept_for_the_backward_*[[]1-*]",
+    "test_fully_shard.py::test_gathers_kept_for_the_backward_*[[]2-inductor]",
+    "test_fully_shard.py::test_the_matmuls_policy_keeps_products_and_recomputes_the_rest[[]1]",
+    "test_fully_shard.py::test_compiled_the_matmuls_policy_recomputes_no_product",
+    "test_fully_shard.py::test_prefetch_depths_train_alike_when_compiled[[]3]",
+    "test_fully_shard.py::test_prefetched_training_at_world_4_equals_single_process",
+    "test_fully_shard.py::test_a_layer_compiled_once_trains_as_single_process[[]1-matmuls]",
+    "test_fully_shard.py::test_a_layer_compiled_once_trains_as_single_process[[]2-full]",
+    "test_hybrid.py::test_a_2d_mesh_trains_as_single_process[[]shape[234]-*]",
+    "test_hybrid.py::*[[]inductor]",
+    "test_hybrid.py::test_a_looked_up_embedding_on_a_2d_mesh_trains_as_single_process[[]shape[12]-*]",
+    "test_hybrid.py::test_each_part_is_reduced_once_inside_its_machine_and_once_across[[]True]",
+    "test_hybrid.py::test_two_machines_on_the_loopback_pick_hybrid_sharding_and_train_as_one",
+    "test_step_in_backward.py::test_training_that_steps_in_the_backward_equals_stepping_after[[]1-None]",
+    "test_step_in_backward.py::test_training_that_steps_in_the_backward_equals_stepping_after[[]2-inductor]",
+    "test_step_in_backward.py::test_on_one_rank_*[[]inductor]",
+    "test_step_in_backward.py::test_a_backward_inside_steps_every_part_and_keeps_no_gradient[[]inductor]",
+    "test_step_in_backward.py::test_each_part_steps_as_soon_as_its_gradient_is_complete[[]1]",
+    "test_schedule.py::test_compiled_step_runs_the_schedule[[]1]",
+    "test_jax_train.py::*[[]untied*",
+    "test_jax_train.py::test_sharded_training_equals_one_device[[]tied-[14]-1-False]",
+    "test_jax_train.py::test_sharded_training_equals_one_device[[]tied-3-1-True]",
+    "test_jax_train.py::test_a_replicated_mesh_trains_as_one_device[[]tied-shape[12]-*]",
+    "test_jax_train.py::test_remat_recomputes_the_same_step[[]tied-fast]",
+    "test_jax_load.py::test_random_parts_are_the_unsharded_draw[[][14]-*]",
+    "test_jax_load.py::test_checkpoint_parts_read_each_range_once[[]1]",
+    "test_jax_load.py::test_the_fast_loss_equals_the_exact_one_without_the_rows_f32_logits[[]2050-*]",
+    "test_jax_hosts.py::*[[]untied]",
+    "test_load_parts.py::*[[][14]]",
+    "test_families.py::test_f32_matches_transformers[[]*-fast-*]",
+    "test_families.py::test_packed_row_equals_transformers_on_each_document[[]fast-*]",
+    "test_families.py::test_sharded_training_equals_single_process[[][13]]",
+    "test_families.py::test_jax_equals_pytorch_training_from_the_same_card[[]qwen2]",
+    "test_families.py::test_jax_equals_pytorch_training_from_the_same_card[[]mistral]",
+    "test_families.py::test_saved_weights_load_in_transformers_with_the_same_logits[[]jax_source-*]",
+    "test_packed.py::test_packed_row_equals_documents_alone[[]*-fast]",
+    "test_one_document.py::*[[]1]",
+    "test_linear_cross_entropy.py::test_as_the_generated_codes_loss_it_trains_a_card_alike[[]inductor]",
+    "test_train_options.py::*[[]1-to-3]",
+    "test_example_scripts.py::test_jax_example_stops_on_mistakes_before_training",
+    "test_example_scripts.py::test_torch_example_stops_on_mistakes_before_training",
+    "test_example_scripts.py::test_a_finished_run_run_again_writes_out[[]jax]",
+    "test_example_scripts.py::test_the_*_example_resumes_on_another_number_of_*",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.nodeid.rsplit("/", 1)[-1]
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in SLOW):
+            item.add_marker(pytest.mark.slow)
     if config.getoption("--all"):
         return
     skip = pytest.mark.skip(reason="slow: a further variant of what the default run covers (pytest --all runs it)")

@@ -661,14 +661,15 @@ def test_a_failed_write_on_the_first_rank_reaches_every_rank(card, tmp_path):
 
 
 def test_sft_torch_example_runs_offline(tmp_path):
-    """The README's quick start, shortened: two processes over Gloo, the tiny card, the repo's data."""
+    """The README's quick start, shortened: two processes over Gloo, the tiny card, the repo's data; the script
+    at the path the first README gave it (examples/07-fsdp/, a link to examples/sft/)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/sft/sft_torch.py",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/07-fsdp/sft_torch.py",
                "--card", "tiny-llama", "--data", "examples/sft/data/tasks.jsonl", "--tokens", "256",
                "--steps", "5", "--lr", "3e-3", "--out", str(tmp_path / "weights")]
     result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,

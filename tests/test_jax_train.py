@@ -430,7 +430,8 @@ def test_errors_name_the_problem(card, tmp_path):
 
 
 def test_sft_jax_example_runs_offline(tmp_path):
-    command = [sys.executable, "examples/sft/sft_jax.py", "--card", "tiny-llama", "--data",
+    """At the path the first README gave it (examples/07-fsdp/, a link to examples/sft/)."""
+    command = [sys.executable, "examples/07-fsdp/sft_jax.py", "--card", "tiny-llama", "--data",
                "examples/sft/data/tasks.jsonl", "--tokens", "256", "--steps", "5", "--lr", "3e-3",
                "--out", str(tmp_path / "weights")]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -1,0 +1,1 @@
+../sft/sft_torch.py
