@@ -98,12 +98,15 @@ def test_the_op_names_a_mismatched_gradient():
         ops.adam_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(1), torch.zeros(8), lr, 0.9, 0.999, 0.0, 1e-8)
 
 
-def test_only_plain_adam_steps_a_sharded_model_in_the_backward():
+def test_only_the_optimizers_with_a_stepper_step_a_sharded_model_in_the_backward():
     param, sharded = torch.nn.Parameter(torch.zeros(4)), SimpleNamespace(sharding=object(), late_parts=None)
     assert supported(sharded, torch.optim.AdamW([param])) is None
     assert supported(sharded, torch.optim.Adam([param], weight_decay=0.1)) is None
+    assert supported(sharded, torch.optim.SGD([param], lr=0.1, weight_decay=0.1)) is None
     assert "not sharded" in supported(SimpleNamespace(sharding=None, late_parts=None), torch.optim.AdamW([param]))
-    assert "SGD is not torch.optim.Adam or AdamW" in supported(sharded, torch.optim.SGD([param], lr=0.1))
+    assert supported(sharded, torch.optim.Adagrad([param])) == (
+        "Adagrad has no stepper in linnet/torch/steppers/ (those there: Adam, AdamW, SGD)")
+    assert "momentum=0.9 (only plain SGD" in supported(sharded, torch.optim.SGD([param], lr=0.1, momentum=0.9))
     assert "amsgrad=True" in supported(sharded, torch.optim.AdamW([param], amsgrad=True))
     assert "maximize=True" in supported(sharded, torch.optim.Adam([param], maximize=True))
     hooked = torch.optim.AdamW([param])
@@ -177,6 +180,29 @@ def test_training_that_steps_in_the_backward_equals_stepping_after(card, compile
     after, within = (run(training, world, card, compile, in_backward, timeout=300) for in_backward in (False, True))
     for rank in range(world):
         assert_same_training(within[rank], after[rank], noise=1e-5 if compile and world > 1 else 0.0)
+
+
+def sgd_training(rank: int, world: int, card, compile: str | None, in_backward: bool):
+    """STEPS of train with plain SGD (its stepper, linnet/torch/steppers/sgd.py): the losses and the parts."""
+    from linnet.torch.train import train
+
+    torch.set_num_threads(1)
+    model = sharded(card, compile)
+    optimizer = torch.optim.SGD(list(model.parameters()), lr=0.3, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    history = train(model, iter(rows(world)[rank::world]), optimizer=optimizer, steps=STEPS, schedule=schedule,
+                    on_step=lambda s: None, step_in_backward=in_backward)
+    return [s.loss for s in history.steps], [p.detach().numpy().copy() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_a_second_optimizer_steps_in_the_backward_as_after(card, compile):
+    """Plain SGD, a stepper of ATen arithmetic (its step and torch.optim.SGD's round the product of the rate
+    and the gradient apart: within 1e-6)."""
+    after, within = (run(sgd_training, 2, card, compile, in_backward, timeout=300)[0] for in_backward in (False, True))
+    np.testing.assert_allclose(within[0], after[0], rtol=1e-6)
+    for mine, theirs in zip(within[1], after[1]):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6 * np.abs(theirs).max())
 
 
 def reductions(rank: int, world: int, card, compile: str | None, in_backward: bool) -> tuple[int, int, int]:

@@ -166,7 +166,7 @@ def _take(sharding: Sharding, part):
     if not (isinstance(part, Stepped) and sharding.world == 1 and sharding.replicas == 1):
         return taken(part)
     sink = torch.zeros((), dtype=sharding.compute_dtype, device=part.part.device).expand(part.part.shape)
-    cast = sharding.compute_dtype if _casts_from_the_step(sharding) else None
+    cast = sharding.compute_dtype if _casts_from_the_step(sharding) and part.state.writes_casts else None
     return Sinking(part.part, taken(part, through=sink, cast_dtype=cast))
 
 

@@ -1,4 +1,4 @@
-"""Adam's step taken in the backward, a part at a time.
+"""The optimizer's step taken in the backward, a part at a time.
 
 An optimizer steps after the backward, so every gradient is held at once: for
 a model sharded in f32, as many bytes as its parts (8B on one GPU: 30 GiB of
@@ -9,18 +9,18 @@ identity whose backward runs once the part's whole gradient exists (after its
 reduction, and after every use of a tied weight). The part enters detached,
 the identity's node made through a leaf that requires grad (`anchor`):
 compiled, the backward changes that input in place, which AOT autograd of
-torch 2.11 refuses for an input that requires grad (2.13 allows it). There it takes Adam's step
-(`linnet::adam_step_`: on CUDA Linnet's kernel, csrc/cuda/adam_step.cu, with ATen's
-arithmetic; elsewhere ATen's fused kernel, as `fused=True` steps) and the
-gradient is dropped. The identity is made where the part is first used, not
+torch 2.11 refuses for an input that requires grad (2.13 allows it). There it takes the optimizer's
+step, as the optimizer's stepper in linnet/torch/steppers/ takes it (Adam's: `linnet::adam_step_`,
+on CUDA Linnet's kernel, csrc/cuda/adam_step.cu, with ATen's arithmetic; elsewhere ATen's fused
+kernel, as `fused=True` steps), and the gradient is dropped. The identity is made where the part is first used, not
 where the entry starts: autograd runs the nodes made last first, so a node
 made first would run once the whole backward was done. Compiled, the step is
 in the backward graph, and a gradient lives from its reduction to its step.
 On one rank a layer's gradient has no reduction: it reaches the step in the
 compute dtype, as the layer's products made it (shard.py's `_take`); where the
-layers keep their casts (reshard_after_forward=False), the step also writes the
-part's cast, which the next forward takes rather than cast the part again
-(shard.py's `_casts_from_the_step`, csrc/stepped_casts.cpp).
+layers keep their casts (reshard_after_forward=False) and the stepper can (Adam's),
+the step also writes the part's cast, which the next forward takes rather than
+cast the part again (shard.py's `_casts_from_the_step`, csrc/stepped_casts.cpp).
 
     with stepping_in_backward(model, optimizer):
         loss = model.loss_packed(...)
@@ -35,17 +35,17 @@ resumes from its checkpoint). With replicas (hybrid sharding) a step is
 made where the waits across replicas end the backward, so there every
 gradient is still held until then.
 
-The update is the optimizer's, as `fused=True` computes it (bit for bit;
+The update is the optimizer's (Adam's as `fused=True` computes it, bit for bit;
 within rounding, 3e-8 after three steps, of the for-each and for-loop
 forms; on CUDA, Adam's L2 form within an ulp or so, tests/test_gpu_adam_step.py):
-its moments and step counts in `optimizer.state` (what a checkpoint
-saves), its learning rate read from its parameter groups at each forward (a
-schedule's changes, in a tensor that the compiled graph reads). `train`
-steps this way where `supported` finds nothing against it: Adam or AdamW
-without amsgrad, maximize, differentiable, step hooks or gradient hooks on a
-part, which would each see a step or a gradient that is not there. The parts whose mean
-across replicas follows the backward (linnet/torch/hybrid.py) keep their
-gradient for the optimizer's step."""
+its state in `optimizer.state` (what a checkpoint saves), its learning rate
+read from its parameter groups at each forward (a schedule's changes, in a
+tensor that the compiled graph reads). `train` steps this way where
+`supported` finds nothing against it: an optimizer with a stepper (Adam,
+AdamW, plain SGD) that takes its options, without step hooks or gradient
+hooks on a part, which would each see a step or a gradient that is not there.
+The parts whose mean across replicas follows the backward
+(linnet/torch/hybrid.py) keep their gradient for the optimizer's step."""
 
 from __future__ import annotations
 
@@ -56,28 +56,18 @@ import torch
 
 from linnet.torch import ops
 from linnet.torch.hybrid import has_step_hooks
-
-
-class AdamSettings(NamedTuple):
-    """A parameter group's settings, constants of the compiled graph (the stepping entries compile with
-    dynamic=False: a change compiles again)."""
-
-    beta1: float
-    beta2: float
-    weight_decay: float
-    eps: float
-    decoupled: bool  # AdamW's weight decay; Adam's (L2, in the gradient) otherwise
+from linnet.torch.steppers import STEPPERS, stepper_for
 
 
 class PartState(NamedTuple):
     """What a parameter's step reads and changes: the optimizer's state, and its group's lr and settings."""
 
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: torch.Tensor  # 0-d f32 on the parameter's device, as fused Adam keeps it
+    state: tuple  # the stepper's tensors in optimizer.state[param] (Adam's moments and count)
     lr: torch.Tensor  # (1,) f64 on the host: the group's rate at this step, read as a double as a float rate is
-    settings: AdamSettings
+    settings: tuple  # the group's constants, as the stepper reads them (the entries compile with dynamic=False)
     anchor: torch.Tensor  # a 0-d leaf that requires grad: the part enters detached (InBackward.parts)
+    step: object  # the stepper's step function (linnet/torch/steppers/)
+    writes_casts: bool  # whether the step can write the part's cast for the next forward
 
 
 def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
@@ -89,15 +79,13 @@ def supported(model, optimizer: torch.optim.Optimizer) -> str | None:
         for param in group["params"]:
             if id(param) not in late and (param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None)):
                 return "a trained part has a gradient hook, which would never see the gradient the step takes"
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return f"{type(optimizer).__name__} is not torch.optim.Adam or AdamW"
+    stepper = stepper_for(optimizer)
+    if stepper is None:
+        known = ", ".join(sorted(optimizer.__name__ for optimizer in STEPPERS))
+        return f"{type(optimizer).__name__} has no stepper in linnet/torch/steppers/ (those there: {known})"
     if has_step_hooks(optimizer):
         return "the optimizer has step hooks, which would not see the steps taken in the backward"
-    for index, group in enumerate(optimizer.param_groups):
-        for option in ("amsgrad", "maximize", "differentiable"):
-            if group.get(option):
-                return f"parameter group {index} sets {option}=True"
-    return None
+    return stepper.unsupported(optimizer)
 
 
 class _StepInBackward(torch.autograd.Function):
@@ -106,17 +94,16 @@ class _StepInBackward(torch.autograd.Function):
     the parameter and goes no further."""
 
     @staticmethod
-    def forward(ctx, through, anchor, param, exp_avg, exp_avg_sq, step, lr, settings, cast_dtype):
-        ctx.save_for_backward(through if param is None else param, exp_avg, exp_avg_sq, step, lr)
-        ctx.settings, ctx.cast_dtype = settings, cast_dtype
+    def forward(ctx, through, anchor, param, lr, step, settings, cast_dtype, *state):
+        ctx.save_for_backward(through if param is None else param, lr, *state)
+        ctx.step, ctx.settings, ctx.cast_dtype = step, settings, cast_dtype
         return through.view_as(through)
 
     @staticmethod
     def backward(ctx, gradient):
-        param, exp_avg, exp_avg_sq, step, lr = ctx.saved_tensors
-        ops.adam_step(param, exp_avg, exp_avg_sq, step, gradient, lr.view(()), *ctx.settings,
-                      copy_dtype=ctx.cast_dtype)
-        return None, None, None, None, None, None, None, None, None
+        param, lr, *state = ctx.saved_tensors
+        ctx.step(param, tuple(state), gradient, lr.view(()), ctx.settings, ctx.cast_dtype)
+        return (None,) * (7 + len(state))
 
 
 class Stepped(NamedTuple):
@@ -132,13 +119,14 @@ def taken(part, through: torch.Tensor | None = None, cast_dtype: torch.dtype | N
     the nodes made last first, reaches the step as soon as the gradient is complete, not at the end.
     through: what the part's gradient arrives by instead (on one rank, the sink its cast's gradient goes to:
     shard.py's `_take`), which steps the part as it is (Adam's step widens a narrower one as it reads it).
-    cast_dtype: the step also casts the stepped part to it, for the next forward's cast to take (`ops.adam_step`)."""
+    cast_dtype: the step also casts the stepped part to it, for the next forward's cast to take (a stepper that
+    `writes_casts`; `ops.adam_step`)."""
     if not isinstance(part, Stepped):
         return part
     state = part.state
     param = None if through is None else part.part  # one tensor is never passed twice (dynamo refuses it)
-    return _StepInBackward.apply(part.part if through is None else through, state.anchor, param, state.exp_avg,
-                                 state.exp_avg_sq, state.step, state.lr, state.settings, cast_dtype)
+    return _StepInBackward.apply(part.part if through is None else through, state.anchor, param, state.lr,
+                                 state.step, state.settings, cast_dtype, *state.state)
 
 
 def with_steps(params, states):
@@ -160,7 +148,7 @@ class InBackward:
         reason = supported(model, optimizer)
         if reason is not None:
             raise ValueError(f"this optimizer cannot step in the backward: {reason}")
-        self.optimizer, self.device = optimizer, model.device
+        self.optimizer, self.device, self.stepper = optimizer, model.device, stepper_for(optimizer)
         late = {id(p) for p in _late_parts(model)}  # they keep their gradient
         self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]
                          if p.requires_grad and id(p) not in late}
@@ -195,9 +183,7 @@ class InBackward:
                 lr.copy_(group["lr"])
             else:
                 lr.fill_(group["lr"])
-            decoupled = group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)
-            settings.append(AdamSettings(*map(float, group["betas"]), float(group["weight_decay"]),
-                                         float(group["eps"]), bool(decoupled)))
+            settings.append(self.stepper.settings(self.optimizer, group))
         return self._tree(params, settings)
 
     def _tree(self, params, settings):
@@ -205,23 +191,11 @@ class InBackward:
             group = self.group_of.get(id(params))
             if group is None:
                 return None
-            state = self._state(params)
-            return PartState(state["exp_avg"], state["exp_avg_sq"], state["step"], self.lrs[group], settings[group],
-                             self.anchor)
+            return PartState(self.stepper.state(self.optimizer, params), self.lrs[group], settings[group],
+                             self.anchor, self.stepper.step, self.stepper.writes_casts)
         if isinstance(params, dict):
             return {key: self._tree(value, settings) for key, value in params.items()}
         return [self._tree(value, settings) for value in params]
-
-    def _state(self, param: torch.Tensor) -> dict:
-        state = self.optimizer.state[param]
-        if not state:  # as Adam's first step makes it (fused: the count on the device)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        elif state["step"].device != param.device or state["step"].dtype != torch.float32:
-            # loaded from a checkpoint by an optimizer that counts on the host (or in f64)
-            state["step"] = state["step"].to(param.device, torch.float32)
-        return state
 
 
 def _late_parts(model) -> list:
