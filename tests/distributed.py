@@ -6,13 +6,14 @@
 method, the default process group initialised over Gloo on the loopback interface; the parent holds
 the rendezvous store on a port the system picks, so there is no port to race for.
 
-The processes of a world size outlive a call: the next `run` at that size hands its function to the
-same ones, so a test pays neither their start nor their imports again (about 5 s a call on 2 cores),
-and torch's compile caches stay warm. They are replaced, not reused, after a call that fails, that
-ends or replaces the default process group, or that asks for `fresh=True` (a test that changes a
-process's settings, or measures it). A rank's exception is raised again in the parent, chained to
-the rank's traceback; a call that outlasts `timeout` seconds is killed and fails rather than hanging
-the suite.
+The processes of a world size outlive a call: the next `run` at that size, with the same environment
+variables, hands its function to the same ones, so a test pays neither their start nor their imports
+again (about 5 s a call on 2 cores), and torch's compile caches stay warm. They are replaced, not
+reused, after a call that fails, that ends or replaces the default process group, or that asks for
+`fresh=True`: a test whose ranks keep something past the call (a checkpoint folder's lock, as a
+killed run would), change a module's settings, or measure their own memory. A rank's exception is
+raised again in the parent, chained to the rank's traceback; a call that outlasts `timeout` seconds
+is killed and fails rather than hanging the suite.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, 
     results in rank order. `fresh`: in processes that ran nothing before and run nothing after."""
     key = (world, backend)
     ranks = _ranks.pop(key, None)
+    if ranks is not None and ranks.environment != dict(os.environ):  # started under other variables
+        ranks.close()
+        ranks = None
     if ranks is None or fresh:
         if ranks is not None:
             _ranks[key] = ranks  # kept for the calls after this one
@@ -73,7 +77,7 @@ class _Ranks:
     def __init__(self, world: int, backend: str):
         import torch.distributed as dist
 
-        self.world = world
+        self.world, self.environment = world, dict(os.environ)
         self.store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=GROUP_TIMEOUT,
                                    wait_for_workers=False)
         context = multiprocessing.get_context("spawn")

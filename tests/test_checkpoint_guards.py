@@ -201,7 +201,7 @@ def test_every_rank_learns_that_the_folder_is_held(tmp_path):
     folder = tmp_path / "ckpt"
     lock = folder_lock.take(folder)
     try:
-        first, second = run(hold_at_every_rank, 2, str(folder), timeout=120)
+        first, second = run(hold_at_every_rank, 2, str(folder), timeout=120, fresh=True)
     finally:
         lock.release()
     assert first.startswith(f"FolderInUse: checkpoint folder {folder} is in use by another run (pid {os.getpid()}")
@@ -272,7 +272,7 @@ def test_every_rank_stops_on_a_folder_of_damaged_checkpoints(tmp_path):
     folder = tmp_path / "ckpt"
     torch_run(folder, 2)
     damage_all(folder)
-    first, second = run(resume_damaged, 2, str(folder), timeout=120)
+    first, second = run(resume_damaged, 2, str(folder), timeout=120, fresh=True)
     assert first.startswith(f"DamagedCheckpoints: every checkpoint in {folder} is damaged")
     assert second.startswith("UserError: could not find the newest checkpoint")
     assert "rank 0: DamagedCheckpoints" in second

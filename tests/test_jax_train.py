@@ -197,7 +197,7 @@ def test_the_attention_kernel_chosen_on_the_host_trains_as_the_devices_choice(ca
     chosen, compiled, step_function = [], [], jax_train._step_function
     monkeypatch.setattr(jax_train, "_attention_kernel",
                         lambda model, mesh, segments: chosen.append(prims_jax.rows_kernel(segments)) or chosen[-1])
-    monkeypatch.setattr(jax_train, "_step_function", lambda *a: compiled.append(a[-1]) or step_function(*a))
+    monkeypatch.setattr(jax_train, "_step_function", lambda *a, **k: compiled.append(a[-1]) or step_function(*a, **k))
     history = jax_train.train(load(card, numerics="fast"), batches, optimizer=adamw(), steps=3, mesh=mesh(2),
                               on_step=lambda step: None)[1]
     assert chosen == [0, 1, 0] and compiled == [0, 1]

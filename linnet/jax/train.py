@@ -193,7 +193,8 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             kernel = _agreed_kernel(_attention_kernel(model, mesh, segments.reshape(-1, segments.shape[-1])))
             if kernel not in step_functions:
                 step_functions[kernel] = _step_function(model, layouts, mesh, optimizer, remat, parts,
-                                                        state_placements, kernel, accumulate, max_grad_norm)
+                                                        state_placements, kernel, accumulate=accumulate,
+                                                        max_grad_norm=max_grad_norm)
             inputs = [jax.make_array_from_process_local_data(placement, array) for array in arrays]
             start = time.perf_counter()
             parts, opt_state, (loss, weight, norm) = step_functions[kernel](parts, opt_state, *inputs)
