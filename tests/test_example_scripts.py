@@ -178,6 +178,14 @@ def test_the_torch_example_resumes_on_another_number_of_processes_to_the_same_lo
         assert resumed[step] == pytest.approx(straight[step], abs=1.5e-3)
 
 
+def test_the_torch_example_resumes_on_another_number_of_processes_one_to_three(tmp_path):
+    """1 process taking 3 rows a step, then 3 taking one each."""
+    straight, resumed = resumed_elsewhere(tmp_path, lambda *args: torchrun(*args, "--accumulate", "3", processes=1),
+                                          lambda *args: torchrun(*args, processes=3))
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(straight[step], abs=1.5e-3)
+
+
 def test_the_jax_example_resumes_on_another_number_of_devices_to_the_same_losses(tmp_path):
     straight, resumed = resumed_elsewhere(tmp_path, lambda *args: jax_example(*args, devices=4),
                                           lambda *args: jax_example(*args, "--accumulate", "2", devices=2))

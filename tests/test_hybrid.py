@@ -316,8 +316,9 @@ def test_a_mesh_it_cannot_use_is_refused(card, shape, names, with_group, message
         assert message in said
 
 
-def example(tmp_path, torchrun: list[str]) -> list[str]:
-    """The PyTorch example's output lines under `torchrun` (several launches: one a machine, started together)."""
+def example(tmp_path, torchrun: list[str], *options: str) -> list[str]:
+    """The PyTorch example's output lines under `torchrun` (several launches: one a machine, started together),
+    with the script's `options` too."""
     import os
     import subprocess
     import sys
@@ -325,7 +326,7 @@ def example(tmp_path, torchrun: list[str]) -> list[str]:
 
     root = Path(__file__).resolve().parent.parent
     script = ["examples/sft/sft_torch.py", "--card", "tiny-llama", "--data", "examples/sft/data/tasks.jsonl",
-              "--tokens", "256", "--steps", "4", "--lr", "3e-3", "--held-out", "40"]
+              "--tokens", "256", "--steps", "4", "--lr", "3e-3", "--held-out", "40", *options]
     launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, *script], cwd=root, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
@@ -337,20 +338,27 @@ def example(tmp_path, torchrun: list[str]) -> list[str]:
 
 
 def test_two_machines_on_the_loopback_pick_hybrid_sharding_and_train_as_one(tmp_path):
+    """Two machines of two processes each train as four processes on one machine do; the hybrid run's
+    step-2 checkpoint resumes on the one machine, flat, to the same losses."""
+    import shutil
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     machines = example(tmp_path, [["--nnodes=2", f"--node-rank={node}", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=linnet-test"] for node in (0, 1)])
+                                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=linnet-test"] for node in (0, 1)],
+                       "--checkpoint", str(tmp_path / "hybrid"), "--checkpoint-every", "2")
     one = example(tmp_path, [["--standalone", "--nproc_per_node=4"]])
+    shutil.copytree(tmp_path / "hybrid" / "step-00000002", tmp_path / "flat" / "step-00000002")
+    resumed = example(tmp_path, [["--standalone", "--nproc_per_node=4"]], "--checkpoint", str(tmp_path / "flat"))
     assert "each weight in 2 parts, one copy on each of 2 machines" in machines
-    assert "each weight in 4 parts" in one
+    assert "each weight in 4 parts" in one and "each weight in 4 parts" in resumed
     losses = [[float(line.split("loss ")[1].split(",")[0]) for line in lines if line.startswith("step ")]
-              for lines in (machines, one)]
-    assert len(losses[0]) == 4
+              for lines in (machines, one, resumed)]
+    assert len(losses[0]) == 4 and len(losses[2]) == 2
     np.testing.assert_allclose(losses[0], losses[1], atol=2e-3)  # printed to 3 decimals
+    np.testing.assert_allclose(losses[2], losses[1][2:], atol=2e-3)
 
 
 def mesh_chosen(rank: int, world: int, local: int, sharding: str) -> str:
