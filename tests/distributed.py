@@ -45,7 +45,7 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, 
     results in rank order. `fresh`: in processes that ran nothing before and run nothing after."""
     key = (world, backend)
     ranks = _ranks.pop(key, None)
-    if ranks is not None and ranks.environment != dict(os.environ):  # started under other variables
+    if ranks is not None and ranks.environment != _environment():  # started under other variables
         ranks.close()
         ranks = None
     if ranks is None or fresh:
@@ -77,7 +77,7 @@ class _Ranks:
     def __init__(self, world: int, backend: str):
         import torch.distributed as dist
 
-        self.world, self.environment = world, dict(os.environ)
+        self.world, self.environment = world, _environment()
         self.store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=GROUP_TIMEOUT,
                                    wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
@@ -128,6 +128,11 @@ class _Ranks:
 
 
 _ranks: dict[tuple[int, str], _Ranks] = {}
+
+
+def _environment() -> dict[str, str]:
+    """The variables the ranks start with, but pytest's own (PYTEST_CURRENT_TEST changes at every test)."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_")}
 
 
 @atexit.register
