@@ -53,6 +53,7 @@ from linnet.checkpoint import resume_check
 from linnet.emit import prims_jax
 from linnet.history import History, Progress, Step, stop_unless_finite
 from linnet.schedules import lr_factor
+from linnet.train_options import check_train_options, evaluates_after
 from linnet.jax import shard
 from linnet.jax.checkpoint import JaxCheckpointer, optimizer_settings
 from linnet.jax.model import JAX_DTYPES, JaxModel
@@ -110,12 +111,7 @@ def train(
     checkpoint whose parts or optimizer state are not: nothing of that step is saved, so `checkpoint` resumes
     from the last good step."""
     _check(model, mesh)
-    if not (isinstance(accumulate, int) and accumulate >= 1):
-        raise ValueError(f"train(accumulate={accumulate!r}): batches a step, a whole number of at least 1")
-    if max_grad_norm is not None and not 0 < max_grad_norm < float("inf"):
-        raise ValueError(f"train(max_grad_norm={max_grad_norm!r}): a finite norm above 0, or None for no clipping")
-    if (eval_every is None) != (eval_rows is None) or (eval_every is not None and eval_every < 1):
-        raise ValueError(f"train(eval_every={eval_every!r}) takes eval_rows, and a whole number of steps of at least 1")
+    check_train_options(accumulate, max_grad_norm, eval_rows, eval_every)
     if eval_every is not None and scan_layers:
         raise ValueError("train(eval_every=...) evaluates the parts a layer at a time, not stacked: "
                          "not with scan_layers=True")
@@ -204,7 +200,7 @@ def _train(model: JaxModel, batches: Iterable[Row], optimizer: optax.GradientTra
             rows_consumed += rows_a_step
             grad_norm = None if max_grad_norm is None else float(norm.addressable_data(0))
             held_out = None
-            if eval_every is not None and (step % eval_every == 0 or step == steps):
+            if evaluates_after(step, steps, eval_every):
                 held_out = _evaluate_sharded(model, eval_rows, shard.ShardedWeights(parts, layouts, mesh))
             record = Step(step, loss, seconds, rows_a_step * len(chunk[0].tokens), weight, _learning_rate(opt_state),
                           grad_norm, held_out)
@@ -502,8 +498,9 @@ def _step_function(model: JaxModel, layouts, mesh: Mesh, optimizer, remat: bool,
 
     def step(parts, opt_state, *inputs):
         (loss, weight), gradients = sharded_step(parts, *inputs)
-        norm = optax.tree.norm(gradients) if max_grad_norm is not None else jnp.zeros((), jnp.float32)
+        norm = jnp.zeros((), jnp.float32)
         if max_grad_norm is not None:  # as torch.nn.utils.clip_grad_norm_
+            norm = optax.tree.norm(gradients)
             scale = jnp.minimum(max_grad_norm / (norm + 1e-6), 1.0)
             gradients = jax.tree.map(lambda gradient: gradient * scale, gradients)
         updates, opt_state = optimizer.update(gradients, opt_state, parts)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
@@ -39,6 +38,7 @@ from linnet.torch import watchdog
 from linnet.torch.agree import cpu_group, raise_together
 from linnet.history import History, Progress, Step, stop_unless_finite
 from linnet.schedules import lr_factor
+from linnet.train_options import check_train_options, evaluates_after
 from linnet.data.packing import Example, Row, pack, stack_rows
 from linnet.torch.step_in_backward import stepping_in_backward, supported
 from linnet.torch.hybrid import backward_and_step
@@ -247,12 +247,7 @@ def train(
     from linnet.torch.checkpoint import Checkpointer
 
     _check_model(model)
-    if not (isinstance(accumulate, int) and accumulate >= 1):
-        raise ValueError(f"train(accumulate={accumulate!r}): rows a rank takes a step, a whole number of at least 1")
-    if max_grad_norm is not None and not 0 < max_grad_norm < math.inf:
-        raise ValueError(f"train(max_grad_norm={max_grad_norm!r}): a finite norm above 0, or None for no clipping")
-    if (eval_every is None) != (eval_rows is None) or (eval_every is not None and eval_every < 1):
-        raise ValueError(f"train(eval_every={eval_every!r}) takes eval_rows, and a whole number of steps of at least 1")
+    check_train_options(accumulate, max_grad_norm, eval_rows, eval_every)
     whole_gradient = ("accumulate > 1 needs every row's gradient before a part steps" if accumulate > 1 else
                       "max_grad_norm needs the norm over every part before a part steps"
                       if max_grad_norm is not None else None)
@@ -306,7 +301,7 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
         nonlocal launched
         if launched is not None:
             record = launched.record(clock)
-            if eval_every is not None and (record.step % eval_every == 0 or record.step == steps):
+            if evaluates_after(record.step, steps, eval_every):
                 record = dataclasses.replace(record, held_out_loss=evaluate(model, eval_rows))
                 clock.restart()
             history.steps.append(record)
@@ -354,7 +349,7 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
                                  tokens=world * sum(len(row.tokens) for row in batch), lr=lr)
         read_launched()  # the step before, while the device runs this one
         launched = this_step
-        if eval_every is not None and (step % eval_every == 0 or step == steps):
+        if evaluates_after(step, steps, eval_every):
             read_launched()  # evaluated after this step, before the next is launched
         rows_consumed += world * accumulate
         if checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
