@@ -54,6 +54,15 @@ def save_hf_model(folder: Path, model_type: str, seed: int = 0, rope_scaling: di
     """save_hf_llama for any model_type Linnet has a family for (transformers' model of that type, with
     BASE's numbers and `overrides`); returns its card. An override of None leaves the key out of the card
     (TOML has no null), and out of transformers' config too unless that declares it (Mistral's sliding_window)."""
+    model = make_hf_model(model_type, seed, rope_scaling, **overrides)
+    model.to(dtype).save_pretrained(folder / "hf", max_shard_size=max_shard_size)
+    return write_model_card(folder, model_type, {**BASE, **overrides}, rope_scaling, repo=str(folder / "hf"))
+
+
+def make_hf_model(model_type: str, seed: int = 0, rope_scaling: dict | None = None, attn: str = "eager",
+                  **overrides):
+    """transformers' model of `model_type` with BASE's numbers and `overrides` (None leaves a key out, as in
+    save_hf_model), its random weights drawn from `seed`, its norms and biases perturbed."""
     import dataclasses
 
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
@@ -63,14 +72,14 @@ def save_hf_model(folder: Path, model_type: str, seed: int = 0, rope_scaling: di
     config = {**BASE, **overrides}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_class(
-        **{k: v for k, v in config.items() if v is not None or k in declared}, rope_scaling=rope_scaling))
+        **{k: v for k, v in config.items() if v is not None or k in declared}, rope_scaling=rope_scaling),
+        attn_implementation=attn)
     # norms are ones and biases zeros at init; perturb them so that a swapped or lost one would show
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn_like(param))
-    model.to(dtype).save_pretrained(folder / "hf", max_shard_size=max_shard_size)
-    return write_model_card(folder, model_type, config, rope_scaling, repo=str(folder / "hf"))
+    return model
 
 
 def write_model_card(folder: Path, model_type: str, config: dict, rope_scaling: dict | None, repo: str,

@@ -140,6 +140,15 @@ def _folder_card(folder: Path, name: str) -> Card:
     return Card(name, family, folder / "config.json", Weights(str(folder), None), huggingface.card_config(config))
 
 
+def config_card(config: dict, name: str, weights: str | None = None) -> Card:
+    """A card of a transformers model's config, as its config.json holds it (`config.to_diff_dict()`): the
+    family of its model_type, its numbers translated as a model folder's are, and its weights in the folder
+    `weights` (None: the model holds them)."""
+    where = Path(weights) if weights else Path(name)
+    family = huggingface.family_of(config, where, CARDS_DIR)
+    return Card(name, family, where / "config.json", Weights(weights or "", None), huggingface.card_config(config))
+
+
 def _did_you_mean(name: str) -> str:
     close = difflib.get_close_matches(name, shipped(), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

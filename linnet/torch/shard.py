@@ -45,10 +45,15 @@ __all__ = ["ALIGN", "Sharding", "fully_shard", "gathered_weights"]
 ALIGN = 16  # elements: each tensor of a group starts on a 64-byte boundary in f32
 
 
-def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, mesh=None, recompute: str = "gather",
-                reshard_after_forward: bool = True, prefetch: int = 1, reduce_dtype: torch.dtype = torch.float32,
-                stall_timeout: float | None = None) -> TorchModel:
+def fully_shard(model, *, group: dist.ProcessGroup | None = None, mesh=None, recompute: str | None = None,
+                reshard_after_forward: bool | None = True, prefetch: int = 1, reduce_dtype: torch.dtype | None = None,
+                mp_policy=None, stall_timeout: float | None = None, weights=None, compile: str | None = None,
+                numerics: str | None = None, **fsdp2_options):
     """Shards `model` in place over `group` (default: the default process group) and returns it.
+
+    model: a model from nest.load(..., backend="torch", cast_dtype=True), or a transformers causal LM of a
+    family Linnet has (linnet/torch/causal_lm.py), or one of its decoder layers: FSDP2's pattern of a call
+    on each layer and then on the model works as it is (the layers' calls only mark them).
 
     mesh: a DeviceMesh in place of `group`, as FSDP2's: of one dimension, it is that dimension's group;
     of two, named ("replicate", "shard") (init_device_mesh(..., (machines, gpus_per_machine),
@@ -82,7 +87,36 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     stall_timeout: seconds after which the other ranks end the run, naming it,
     when a rank stops answering (linnet/torch/watchdog.py; default LINNET_STALL_TIMEOUT
     or 300; 0: never).
+    mp_policy: FSDP2's MixedPrecisionPolicy: param_dtype is the compute dtype (a loaded model's must be its
+    card's T; a transformers model's default is its parameters' dtype, as FSDP2's), reduce_dtype as above
+    (default: param_dtype, as FSDP2's). FSDP2's other options (offload_policy, shard_placement_fn,
+    ignored_params) are refused by name.
+
+    For a transformers model only: weights, the folder a model on the meta device reads this rank's parts
+    from (default: the folder it was made from); compile ("inductor", or "none"; default "inductor" on a
+    GPU) and numerics ("exact" or "fast"; default "fast" on a GPU), as nest.load takes them. Its recompute
+    defaults to "full" where gradient checkpointing was enabled, else "gather".
     """
+    mp_param_dtype, mp_reduce_dtype = _mixed_precision(mp_policy, fsdp2_options)
+    if reshard_after_forward is None:
+        reshard_after_forward = True
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r} (resharding to "
+                         "a smaller world is FSDP2's, not Linnet's)")
+    if not isinstance(model, TorchModel):
+        return _shard_module(model, group=group, mesh=mesh, recompute=recompute,
+                             reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                             reduce_dtype=reduce_dtype or mp_reduce_dtype, param_dtype=mp_param_dtype,
+                             stall_timeout=stall_timeout, weights=weights, compile=compile, numerics=numerics)
+    for name, value in (("weights", weights), ("compile", compile), ("numerics", numerics)):
+        if value is not None:
+            raise ValueError(f"fully_shard takes {name}= for a transformers model; a loaded model has its "
+                             f"{name} from nest.load")
+    if mp_param_dtype is not None and mp_param_dtype != model.compute_dtype:
+        raise ValueError(f"mp_policy's param_dtype is {mp_param_dtype}, but {model.card.name} computes in "
+                         f"{model.compute_dtype} (its generic T): load it with that T instead")
+    recompute = recompute or "gather"
+    reduce_dtype = reduce_dtype or mp_reduce_dtype or torch.float32
     if recompute not in POLICIES:
         raise ValueError(f'recompute must be "gather", "matmuls" or "full", got {recompute!r}')
     if reduce_dtype not in (torch.float32, torch.bfloat16):
@@ -132,6 +166,61 @@ def fully_shard(model: TorchModel, *, group: dist.ProcessGroup | None = None, me
     return model
 
 
+def _mixed_precision(mp_policy, fsdp2_options: dict) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy (None where it leaves one out), after
+    refusing FSDP2's options Linnet does not do."""
+    given = {name for name, value in fsdp2_options.items() if value is not None}
+    unknown = given - {"offload_policy", "shard_placement_fn", "ignored_params"}
+    if unknown:
+        raise TypeError(f"fully_shard got unexpected keyword arguments {sorted(unknown)}")
+    offload = fsdp2_options.get("offload_policy")
+    if offload is not None and type(offload).__name__ != "OffloadPolicy":  # FSDP2's default, which offloads nothing
+        raise ValueError(f"fully_shard does not offload to the CPU ({type(offload).__name__}): leave offload_policy "
+                         "out; Linnet keeps the parts on the GPU and recomputes (recompute='full') to save memory")
+    for name in ("shard_placement_fn", "ignored_params"):
+        if fsdp2_options.get(name):
+            raise ValueError(f"fully_shard does not take {name}: Linnet shards every weight of each layer along "
+                             "one flat buffer")
+    if mp_policy is None:
+        return None, None
+    if getattr(mp_policy, "output_dtype", None) is not None or not getattr(mp_policy, "cast_forward_inputs", True):
+        raise ValueError("fully_shard takes mp_policy's param_dtype and reduce_dtype; its output_dtype and "
+                         "cast_forward_inputs are FSDP2's")
+    param, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
+    return param, reduce or param
+
+
+def _shard_module(model, *, group, mesh, recompute, reshard_after_forward, prefetch, reduce_dtype, param_dtype,
+                  stall_timeout, weights, compile, numerics):
+    """fully_shard of a transformers causal LM (linnet/torch/causal_lm.py): its engine sharded as any loaded
+    model, then the model made to compute with it, its parameters the engine's parts."""
+    from torch.distributed.tensor import DeviceMesh, Shard
+
+    from linnet.torch import causal_lm
+
+    if causal_lm.is_decoder_layer(model):
+        return causal_lm.mark_layer(model)
+    if not causal_lm.is_transformers_module(model):
+        raise TypeError(f"fully_shard takes a model from nest.load(..., backend='torch') or a transformers causal "
+                        f"LM, got {type(model).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fully_shard needs a process group: call torch.distributed.init_process_group first "
+                           "(under torchrun, or with world_size=1 for one process)")
+    shard_group, replicate, _ = _groups(group, mesh)
+    if replicate is not None:
+        raise ValueError("a transformers model is sharded over a 1-D mesh or group for now: for hybrid sharding "
+                         "across machines, nest.load the model's folder and fully_shard that")
+    if recompute is None:
+        recompute = "full" if getattr(model, "is_gradient_checkpointing", False) else "gather"
+    device = causal_lm.group_device(shard_group, model)
+    engine = causal_lm.engine_of(model, param_dtype=param_dtype, device=device, weights=weights, compile=compile,
+                                 numerics=numerics)
+    fully_shard(engine, group=shard_group, recompute=recompute, reshard_after_forward=reshard_after_forward,
+                prefetch=prefetch, reduce_dtype=reduce_dtype or engine.compute_dtype, stall_timeout=stall_timeout)
+    device_mesh = mesh if mesh is not None else DeviceMesh.from_group(shard_group, device.type)
+    return causal_lm.sharded_in_place(model, engine, device_mesh, (Shard(0),))
+
+
 def _groups(group: dist.ProcessGroup | None,
             mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, dist.ProcessGroup]:
     """(the group that shards, the group of replicas or None, the group of every rank) from fully_shard's arguments."""
@@ -174,16 +263,19 @@ def _parts_from_weights(model: TorchModel, layouts: dict, rank: int, world: int)
     for decl in model.checked.program.groups.values():
         layout, weights = layouts[decl.name], model.params.pop(decl.key)
         if decl.repeat is None:
-            parts[decl.key] = _part_of(weights, layout, rank, world, model.trainable)
+            parts[decl.key] = _part_of(weights, layout, rank, world, model.trainable, model.device)
         else:
-            parts[decl.key] = [_part_of(weights[i], layout, rank, world, model.trainable) for i in range(len(weights))]
+            parts[decl.key] = [_part_of(weights[i], layout, rank, world, model.trainable, model.device)
+                               for i in range(len(weights))]
             del weights
     return parts
 
 
-def _part_of(weights: dict, layout: GroupLayout, rank: int, world: int, trainable: bool) -> torch.nn.Parameter:
+def _part_of(weights: dict, layout: GroupLayout, rank: int, world: int, trainable: bool,
+             device: torch.device) -> torch.nn.Parameter:
     with torch.no_grad():
-        tensors = [weights[name].detach().reshape(-1) for name in layout.names]
+        # (in f32 on the model's device: a transformers model's weights may be in another dtype, or elsewhere)
+        tensors = [weights[name].detach().to(device, torch.float32).reshape(-1) for name in layout.names]
         flat = ops.flatten(tensors, list(layout.offsets), layout.total)
         del tensors
         weights.clear()  # the full weights go as soon as the part exists
@@ -200,7 +292,8 @@ def _parts_from_source(model: TorchModel, layouts: dict, rank: int, world: int) 
     for decl, index, specs in group_specs(model.checked, model.specs()):
         layout = layouts[decl.name]
         if draw is not None:
-            part = _part_of({spec.name: draw(spec, source.std) for spec in specs}, layout, rank, world, model.trainable)
+            part = _part_of({spec.name: draw(spec, source.std) for spec in specs}, layout, rank, world, model.trainable,
+                           model.device)
         else:
             start = rank * layout.part_size
             flat = reader.read_flat(specs, layout.offsets, start, start + layout.part_size)

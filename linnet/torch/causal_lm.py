@@ -1,0 +1,300 @@
+"""A transformers causal LM sharded in place by `linnet.torch.fully_shard`, with FSDP2's call pattern:
+
+    model = AutoModelForCausalLM.from_pretrained(folder)      # or from_config, on the CPU, a GPU or meta
+    for layer in model.model.layers:
+        fully_shard(layer)                                     # accepted: the root call shards every layer
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    loss = model(input_ids=..., labels=..., position_ids=...).loss
+
+The root call makes a card of the model's config (its family from `model_type`, as for a model folder),
+hands the model's weights, group by group, to a `TorchModel` of that card (the engine), and shards the
+engine as `fully_shard` shards any loaded model: the same generated function, the same collectives. The
+transformers model then keeps its class's API, its forward computed by the engine:
+
+- `forward` takes transformers' arguments and returns its output: `.loss` as transformers computes it
+  (labels shifted, -100 ignored, divided by `num_items_in_batch` where given), `.logits` without labels.
+  A padding `attention_mask` is honoured; without one, `position_ids` that restart mark packed
+  documents, which never attend to each other (transformers' own rule, `find_packed_sequence_indices`).
+- `parameters()` are this rank's parts as DTensors (linnet/torch/dtensor_parts.py), so that any optimizer
+  steps them and `clip_grad_norm_` takes the global norm, as under FSDP2.
+- `state_dict()` and `save_pretrained()` give the full weights under transformers' names; every rank calls
+  them (they gather one group at a time).
+
+What the engine does not compute is refused by name before anything changes: a family Linnet lacks, a
+config value its family refuses (a sliding window), PEFT adapters, a model FSDP already shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from linnet.cardlang.generics import bind_generics
+from linnet.cards import config_card, huggingface
+from linnet.errors import UserError
+from linnet.hf.read import tied_names
+from linnet.hf.write import DTYPES
+from linnet.torch.model import TorchModel
+
+__all__ = ["ShardedCausalLM", "engine_of", "is_decoder_layer", "is_transformers_module", "sharded_in_place"]
+
+ENTRIES = ["loss_packed", "logits_packed"]
+IGNORE_INDEX = -100  # transformers' label of a position that takes no loss
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_LAYER_MARK = "_linnet_fully_shard_unit"  # set on a decoder layer given to fully_shard before its model
+
+
+def is_transformers_module(module) -> bool:
+    return isinstance(module, torch.nn.Module) and type(module).__module__.startswith("transformers.")
+
+
+def is_decoder_layer(module) -> bool:
+    return is_transformers_module(module) and type(module).__name__.endswith("DecoderLayer")
+
+
+def mark_layer(layer: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2's per-layer call: a layer is a unit of Linnet's schedule anyway, so the call only marks it; the
+    call on the model that holds it shards everything."""
+    setattr(layer, _LAYER_MARK, True)
+    return layer
+
+
+def engine_of(model: torch.nn.Module, *, param_dtype: torch.dtype | None, device: torch.device,
+              weights: str | Path | None, compile: str | None, numerics: str | None) -> TorchModel:
+    """A TorchModel of `model`'s config holding `model`'s weights (taken out of `model`, which holds none
+    after), or, for a model on the meta device, reading this rank's parts from its folder when sharded.
+    param_dtype: what the engine computes in (None: the model's parameters' dtype, as FSDP2)."""
+    _refuse_unsupported(model)
+    on_meta = any(p.is_meta for p in model.parameters())
+    folder = _weights_folder(model, weights) if on_meta or weights is not None else None
+    config = json.loads(model.config.to_json_string(use_diff=True))
+    card = config_card(config, name=str(folder or getattr(model.config, "_name_or_path", "") or type(model).__name__),
+                       weights=str(folder) if folder else None)
+    checked = card.checked()  # refuses what the family does not compute, naming the config key
+    dtype = param_dtype or _parameters_dtype(model)
+    if dtype not in _DTYPE_NAMES:
+        raise UserError(f"fully_shard computes in {', '.join(map(str, _DTYPE_NAMES))}; the model's parameters are "
+                        f"{dtype}: give mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
+    if numerics is None:
+        numerics = "fast" if device.type == "cuda" else "exact"
+    if compile is None and device.type == "cuda":
+        compile = "inductor"
+    generics = bind_generics(checked, {"Batch": 1, "MaxSeq": int(config.get("max_position_embeddings") or 4096),
+                                       "T": _DTYPE_NAMES[dtype]})
+    trainable = any(p.requires_grad for p in model.parameters())
+    engine = TorchModel(card, checked, generics=generics, numerics=numerics, cast_dtype=True, trainable=trainable,
+                        compile=None if compile == "none" else compile, device=device, entries=ENTRIES)
+    if folder is not None:
+        engine.load_checkpoint(folder)  # checks names and shapes now; fully_shard reads only this rank's parts
+    else:
+        engine.params = _take_weights(model, engine)
+    return engine
+
+
+def sharded_in_place(model: torch.nn.Module, engine: TorchModel, mesh, placements) -> torch.nn.Module:
+    """`model`, its class now a subclass of its own and ShardedCausalLM, its parameters the engine's parts
+    as DTensors over `mesh`."""
+    from linnet.torch.dtensor_parts import DTensorParts
+
+    dtype = _parameters_dtype(model)
+    for module in model.modules():  # the model holds no weight of its own from now on
+        for name in list(module._parameters):
+            module._parameters[name] = None
+    model.linnet_parts = DTensorParts(engine.params, mesh, placements, engine.sharding.world)
+    model._linnet_engine, model._linnet_saved_dtype, model._linnet_gradient_sync = engine, dtype, True
+    cls = type(model)
+    model.__class__ = type(f"Linnet{cls.__name__}", (ShardedCausalLM, cls), {"__module__": __name__})
+    return model
+
+
+class ShardedCausalLM:
+    """What a transformers causal LM becomes once sharded (mixed in before its own class)."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, cache_position=None, logits_to_keep=0, num_items_in_batch=None, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        refused = {"inputs_embeds": inputs_embeds is not None, "past_key_values": past_key_values is not None,
+                   "output_attentions": bool(output_attentions), "output_hidden_states": bool(output_hidden_states),
+                   "logits_to_keep": bool(logits_to_keep), **{key: True for key in kwargs}}
+        if any(refused.values()):
+            names = ", ".join(key for key, given in refused.items() if given)
+            raise UserError(f"a model sharded by Linnet computes the loss or the logits of input_ids (with "
+                            f"attention_mask, position_ids, labels, num_items_in_batch); it does not take {names}")
+        engine = self._linnet_engine
+        tokens, positions, segments = _packed_inputs(input_ids, attention_mask, position_ids, engine.device)
+        if labels is None:
+            logits = engine._call("logits_packed", (tokens, positions, segments))
+            return CausalLMOutputWithPast(logits=logits)
+        shifted = F.pad(labels.to(engine.device), (0, 1), value=IGNORE_INDEX)[:, 1:]
+        counted = shifted != IGNORE_INDEX
+        targets = torch.where(counted, shifted, 0).to(torch.int32)
+        weights = counted.to(torch.float32)
+        loss = engine._call("loss_packed", (tokens, targets, positions, segments, weights))
+        if num_items_in_batch is not None:  # transformers' sum over the batch's counted tokens, not this row's mean
+            loss = loss * weights.sum() / torch.as_tensor(num_items_in_batch, device=loss.device)
+        return CausalLMOutputWithPast(loss=loss)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full weights under transformers' names (tied ones under both), in the dtype the model's
+        parameters had, on the CPU. Every rank must call it: each group is gathered in turn."""
+        if args:
+            raise TypeError("state_dict takes keyword arguments only")
+        from linnet.torch.collectives import gathered_weights
+
+        engine = self._linnet_engine
+        out = destination if destination is not None else {}
+        for name, tensor in gathered_weights(engine, self._linnet_saved_dtype):
+            out[prefix + name] = tensor
+        for tied, weight in tied_names(engine.checked).items():
+            out[prefix + tied] = out[prefix + weight]
+        return out
+
+    def load_state_dict(self, *args, **kwargs):
+        raise UserError("a model sharded by Linnet does not load a state dict: build the model on the meta "
+                        "device from its folder, and fully_shard reads this rank's parts from there")
+
+    def save_pretrained(self, save_directory, *, is_main_process: bool = True, state_dict=None,
+                        max_shard_size: int | str = "5GB", safe_serialization: bool = True, **kwargs):
+        """A folder that `from_pretrained` loads: SafeTensors in the dtype the model's parameters had, written
+        once from the parts (one group gathered at a time), with the model's own config.json and generation
+        config. Every rank must call it, whatever `is_main_process` says."""
+        if state_dict is not None or not safe_serialization:
+            raise UserError("a model sharded by Linnet saves its own parts as SafeTensors: call save_pretrained "
+                            "without state_dict and safe_serialization")
+        from linnet.torch.agree import together
+
+        engine = self._linnet_engine
+        folder = engine.save_weights(save_directory, dtype=self._linnet_saved_dtype, max_shard_size=max_shard_size)
+        first = engine.sharding.rank == 0 and engine.sharding.replica == 0
+
+        def write_configs():
+            if first:
+                self.config.save_pretrained(folder)
+                if getattr(self, "generation_config", None) is not None and self.can_generate():
+                    self.generation_config.save_pretrained(folder)
+
+        together(write_configs, f"write the config to {folder}")
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch for gradient accumulation. Accepted: the gradients are reduce-scattered at every
+        backward all the same (the sum is the same; the saving in communication is not had)."""
+        self._linnet_gradient_sync = bool(requires_gradient_sync)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        recompute = self._linnet_engine.sharding.recompute
+        if recompute != "full":
+            raise UserError(f"this model was sharded with recompute={recompute!r}: call "
+                            "model.gradient_checkpointing_enable() before fully_shard, or fully_shard(model, "
+                            "recompute='full')")
+
+    def _apply(self, fn, recurse: bool = True):
+        """A move or cast (`model.to(...)`, `.cuda()`, `.bfloat16()`) that would change the parts is refused:
+        they stay f32 where they were sharded. One that changes nothing passes."""
+        engine = self._linnet_engine
+        probe = fn(torch.empty(0, dtype=torch.float32, device=engine.device))
+        if probe.dtype != torch.float32 or probe.device != engine.device:
+            raise UserError(f"this model is sharded by Linnet: its parts stay f32 on {engine.device} (moved to "
+                            f"{probe.device} in {probe.dtype} they would leave the function that trains them); "
+                            "pass mp_policy to fully_shard for the compute dtype")
+        return self
+
+
+def _packed_inputs(input_ids, attention_mask, position_ids, device: torch.device):
+    """(tokens, positions, segments) as loss_packed takes them, from transformers' arguments: positions
+    position_ids or 0..S-1; segments by transformers' rule, a padding mask's zeros a segment of their own,
+    else packed documents by where position_ids do not go up by one."""
+    if input_ids is None or input_ids.dim() != 2:
+        raise UserError(f"input_ids must be a (batch, sequence) tensor of token ids, got "
+                        f"{None if input_ids is None else tuple(input_ids.shape)}")
+    tokens = input_ids.to(device=device, dtype=torch.int32)
+    batch, length = tokens.shape
+    if position_ids is None:
+        positions = torch.arange(length, device=device, dtype=torch.int32).expand(batch, length)
+    else:
+        positions = position_ids.to(device=device, dtype=torch.int32).expand(batch, length)
+    if attention_mask is not None:
+        if attention_mask.shape != tokens.shape:
+            raise UserError(f"attention_mask must be a padding mask shaped as input_ids {tuple(tokens.shape)}, got "
+                            f"{tuple(attention_mask.shape)}")
+        segments = torch.where(attention_mask.to(device).bool(), 0, -1).to(torch.int32)
+    elif position_ids is not None:
+        steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+        segments = (steps != 1).cumsum(-1).to(torch.int32)
+    else:
+        segments = torch.zeros_like(tokens)
+    return tokens.contiguous(), positions.contiguous(), segments.contiguous()
+
+
+def _refuse_unsupported(model) -> None:
+    name = type(model).__name__
+    if hasattr(model, "peft_config") or type(model).__module__.startswith("peft."):
+        raise UserError(f"{name} carries PEFT adapters: Linnet does full fine-tuning; merge them "
+                        "(model.merge_and_unload()) or give fully_shard the base model")
+    if isinstance(model, ShardedCausalLM):
+        raise UserError(f"{name} is already sharded by Linnet: fully_shard it once")
+    if name.startswith("FSDP") or any(type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor")
+                                      for p in model.parameters()):
+        raise UserError(f"{name} is already sharded by PyTorch's FSDP (its parameters are DTensors): give "
+                        "Linnet's fully_shard the model as from_pretrained made it, not FSDP's")
+    if not name.endswith("ForCausalLM") or not hasattr(model, "config"):
+        raise UserError(f"fully_shard takes a transformers causal LM (…ForCausalLM) or one of its decoder layers, "
+                        f"got {name}")
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in huggingface.FAMILIES:
+        raise UserError(f"{name}: model_type {model_type!r} has no family in Linnet; supported: "
+                        f"{', '.join(sorted(huggingface.FAMILIES))}")
+
+
+def _parameters_dtype(model) -> torch.dtype:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        raise UserError(f"fully_shard takes a model whose parameters share one dtype, got {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+def _weights_folder(model, weights) -> Path:
+    """The folder this rank reads its parts from: `weights`, else the folder (or cached hub id) the model
+    was made from."""
+    source = weights or getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
+    folder = Path(source) if source and Path(source).is_dir() else (source and huggingface.snapshot(str(source)))
+    if not folder:
+        raise UserError(f"{type(model).__name__} is on the meta device and was not made from a folder "
+                        f"({source!r}): give fully_shard(model, weights=FOLDER), a folder of its SafeTensors")
+    return Path(folder)
+
+
+def _take_weights(model, engine: TorchModel) -> dict:
+    """The model's weights under the engine's groups (the tensors themselves: fully_shard casts each group
+    to its f32 part and drops it before the next)."""
+    state = dict(model.named_parameters(remove_duplicate=False))
+    params: dict = {}
+    for spec in engine.specs():
+        if spec.checkpoint_name not in state:
+            raise UserError(f"{type(model).__name__} has no parameter {spec.checkpoint_name}, which its family "
+                            f"computes with: fully_shard takes the model as transformers builds it")
+        tensor = state[spec.checkpoint_name].detach()
+        if spec.index is None:
+            params.setdefault(spec.group, {})[spec.name] = tensor
+        else:
+            layers = params.setdefault(spec.group, [])
+            while len(layers) <= spec.index:
+                layers.append({})
+            layers[spec.index][spec.name] = tensor
+    return params
+
+
+def group_device(group: dist.ProcessGroup, model: torch.nn.Module) -> torch.device:
+    """Where the engine's parts live: the model's device where the group's backend takes it, else the
+    current GPU where the group takes CUDA tensors (FSDP2 moves a CPU model to the mesh's device too)."""
+    takes = {device.type for device in group._device_types}
+    current = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if current is not None and current.type in takes:
+        return current
+    if "cuda" in takes and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
