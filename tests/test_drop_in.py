@@ -109,3 +109,144 @@ def test_each_family_trains_as_one_process_in_the_users_loop(world):
         assert weights.keys() == expected_weights.keys(), label
         for name, tensor in weights.items():
             assert relative_error(tensor, expected_weights[name]) < 5e-5, f"{label}: {name}"
+
+
+def rest_of_the_api(rank: int, world: int, folder: str) -> dict:
+    """mp_policy in bf16, accumulation with set_requires_gradient_sync, save_pretrained and the state dicts,
+    and a model built on the meta device reading this rank's parts from the saved folder."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from linnet.torch import fully_shard
+
+    out = {}
+    model = case_model("llama", False)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    loss = model(**batch(0, rank), use_cache=False).loss
+    loss.backward()
+    out["bf16"] = (model._linnet_engine.compute_dtype, float(loss), {p.grad.dtype for p in model.parameters()})
+
+    model = case_model("qwen3", True)
+    fully_shard(model)
+    model.set_requires_gradient_sync(False)
+    model(**batch(0, rank), use_cache=False).loss.backward()
+    model.set_requires_gradient_sync(True)
+    model(**batch(1, rank), use_cache=False).loss.backward()
+    out["accumulated_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor())
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+    model.save_pretrained(folder)
+    full = model.state_dict()
+    options = StateDictOptions(full_state_dict=True)
+    assert all(torch.equal(tensor, full[name]) for name, tensor in get_model_state_dict(model, options=options).items())
+    if rank == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+        out["saved_equal"] = loaded.keys() == full.keys() and all(torch.equal(loaded[k], full[k]) for k in full)
+    out["loss_after"] = float(model(**batch(2, rank), use_cache=False).loss)
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    fully_shard(meta)
+    out["meta_loss"] = float(meta(**batch(2, rank), use_cache=False).loss)
+    return out
+
+
+def test_mixed_precision_accumulation_saving_and_the_meta_device(tmp_path):
+    results = run(rest_of_the_api, 2, str(tmp_path / "saved"), timeout=LIMIT_S)
+    reference = case_model("llama", False)
+    for rank, result in enumerate(results):
+        dtype, loss, gradient_dtypes = result["bf16"]
+        assert dtype == torch.bfloat16 and gradient_dtypes == {torch.float32}
+        expected = float(reference(**batch(0, rank), use_cache=False).loss)
+        assert loss == pytest.approx(expected, rel=2e-2) and loss != expected  # computed in bf16: close, not equal
+    # accumulated over two micro-batches: the gradient of their sum, averaged over the ranks
+    model = case_model("qwen3", True)
+    sum(model(**batch(step, rank), use_cache=False).loss for step in (0, 1) for rank in range(2)).div(2).backward()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    assert [r["accumulated_norm"] for r in results] == pytest.approx([expected_norm] * 2, rel=1e-5)
+    assert results[0]["saved_equal"]
+    for result in results:
+        assert result["meta_loss"] == result["loss_after"]  # the same weights, read from the folder
+
+
+def refusals(rank: int, world: int) -> dict:
+    """What fully_shard refuses, each before the model changes: the message of each refusal."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from linnet.torch import fully_shard
+
+    def refused(make, **options) -> tuple[str, bool]:
+        model = make()
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        try:
+            fully_shard(model, **options)
+        except (ValueError, TypeError) as error:
+            after = dict(model.named_parameters())
+            kept = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+            return str(error), kept
+        raise AssertionError(f"fully_shard took {type(model).__name__} with {options}")
+
+    def with_adapters():
+        model = case_model("llama", False)
+        model.peft_config = {"default": None}
+        return model
+
+    def fsdp2_sharded():
+        model = case_model("llama", False)
+        return fsdp2_fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+
+    tiny_gpt2 = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)
+    return {
+        "architecture": refused(lambda: GPT2LMHeadModel(tiny_gpt2)),
+        "adapters": refused(with_adapters),
+        "fsdp2": refused(fsdp2_sharded),
+        "window": refused(lambda: make_hf_model("mistral", seed=0, num_key_value_heads=2, sliding_window=8)),
+        "base model": refused(lambda: case_model("llama", False).model),
+        "offload": refused(lambda: case_model("llama", False), offload_policy=CPUOffloadPolicy()),
+        "2-D mesh": refused(lambda: case_model("llama", False),
+                            mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))),
+    }
+
+
+REFUSED = {  # each refusal names the thing and the way out
+    "architecture": ["model_type 'gpt2' has no family", "supported: llama, mistral, qwen2, qwen3"],
+    "adapters": ["PEFT adapters", "merge_and_unload"],
+    "fsdp2": ["already sharded by PyTorch's FSDP"],
+    "window": ["sliding_window"],
+    "base model": ["…ForCausalLM", "LlamaModel"],
+    "offload": ["does not offload", "CPUOffloadPolicy"],
+    "2-D mesh": ["1-D mesh", "nest.load the model's folder"],
+}
+
+
+def test_what_fully_shard_does_not_compute_is_refused_in_one_line_before_the_model_changes():
+    for what, (message, kept) in run(refusals, 2, timeout=LIMIT_S)[0].items():
+        assert kept, f"{what}: the model changed before the refusal"
+        assert "\n" not in message, f"{what}: {message}"
+        for words in REFUSED[what]:
+            assert words in message, f"{what}: {message}"
+
+
+def checkpointing(rank: int, world: int) -> tuple:
+    from linnet.torch import fully_shard
+
+    model = case_model("llama", True)
+    model.gradient_checkpointing_enable()
+    fully_shard(model)
+    before = model._linnet_engine.sharding.recompute
+    model = fully_shard(case_model("llama", True))
+    try:
+        model.gradient_checkpointing_enable()
+    except ValueError as error:
+        return before, str(error)
+    return before, None
+
+
+def test_gradient_checkpointing_maps_to_full_recompute_or_is_refused_with_the_policy():
+    before, message = run(checkpointing, 2, timeout=LIMIT_S)[0]
+    assert before == "full"
+    assert "recompute='full'" in message and "before fully_shard" in message

@@ -48,7 +48,9 @@ _LAYER_MARK = "_linnet_fully_shard_unit"  # set on a decoder layer given to full
 
 
 def is_transformers_module(module) -> bool:
-    return isinstance(module, torch.nn.Module) and type(module).__module__.startswith("transformers.")
+    """Whether `module` is a transformers model or layer (FSDP's and Linnet's classes for one included)."""
+    return isinstance(module, torch.nn.Module) and any(
+        cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
 
 
 def is_decoder_layer(module) -> bool:
@@ -241,13 +243,13 @@ def _refuse_unsupported(model) -> None:
                                       for p in model.parameters()):
         raise UserError(f"{name} is already sharded by PyTorch's FSDP (its parameters are DTensors): give "
                         "Linnet's fully_shard the model as from_pretrained made it, not FSDP's")
-    if not name.endswith("ForCausalLM") or not hasattr(model, "config"):
-        raise UserError(f"fully_shard takes a transformers causal LM (…ForCausalLM) or one of its decoder layers, "
-                        f"got {name}")
-    model_type = getattr(model.config, "model_type", None)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in huggingface.FAMILIES:
         raise UserError(f"{name}: model_type {model_type!r} has no family in Linnet; supported: "
                         f"{', '.join(sorted(huggingface.FAMILIES))}")
+    if not name.endswith("ForCausalLM"):
+        raise UserError(f"fully_shard takes a transformers causal LM (…ForCausalLM) or one of its decoder layers, "
+                        f"got {name}")
 
 
 def _parameters_dtype(model) -> torch.dtype:
@@ -298,3 +300,10 @@ def group_device(group: dist.ProcessGroup, model: torch.nn.Module) -> torch.devi
     if "cuda" in takes and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def gradient_checkpointing(model) -> bool:
+    """Whether transformers' gradient (activation) checkpointing is enabled on `model`."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))

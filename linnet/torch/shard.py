@@ -211,7 +211,7 @@ def _shard_module(model, *, group, mesh, recompute, reshard_after_forward, prefe
         raise ValueError("a transformers model is sharded over a 1-D mesh or group for now: for hybrid sharding "
                          "across machines, nest.load the model's folder and fully_shard that")
     if recompute is None:
-        recompute = "full" if getattr(model, "is_gradient_checkpointing", False) else "gather"
+        recompute = "full" if causal_lm.gradient_checkpointing(model) else "gather"
     device = causal_lm.group_device(shard_group, model)
     engine = causal_lm.engine_of(model, param_dtype=param_dtype, device=device, weights=weights, compile=compile,
                                  numerics=numerics)
