@@ -44,7 +44,7 @@ def expect(source: str, line: int, *fragments: str) -> CardError:
 
 def test_the_shipped_family_checks():
     checked = check(LLAMA)
-    assert checked.program.entries == ["logits", "logits_packed", "loss", "loss_packed"]
+    assert checked.program.entries == ["logits", "logits_packed", "token_statistics_packed", "loss", "loss_packed"]
     assert checked.dims["D"] == 96
 
 

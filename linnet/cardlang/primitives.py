@@ -238,6 +238,16 @@ def _cross_entropy(call: CallTypes):
     return TensorType("f32", ())
 
 
+def _token_statistics(call: CallTypes):
+    hidden = call.tensor(0, dtype=call.compute, rank=3)
+    head = call.tensor(1, dtype=call.compute, rank=2)
+    targets = call.tensor(2, dtype="i32", rank=2)
+    call.same(hidden.dims[2], head.dims[1], "the hidden width against the head's inputs")
+    call.same(targets.dims[0], hidden.dims[0], "the batch of targets against the hidden states")
+    call.same(targets.dims[1], hidden.dims[1], "the sequence of targets against the hidden states")
+    return TensorType("f32", hidden.dims[:2] + (Dim.const(3),))
+
+
 PRIMITIVES: dict[str, Primitive] = {
     "embedding": Primitive(("tokens", "table"), (), _embedding),
     "rms_norm": Primitive(("x", "weight"), ("eps",), _rms_norm),
@@ -254,4 +264,5 @@ PRIMITIVES: dict[str, Primitive] = {
     "document_mask": Primitive(("segments",), (), _mask),
     "to_f32": Primitive(("x",), (), _to_f32),
     "cross_entropy": Primitive(("hidden", "head", "targets", "weights"), (), _cross_entropy),
+    "token_statistics": Primitive(("hidden", "head", "targets"), (), _token_statistics),
 }

@@ -196,6 +196,18 @@ def cross_entropy(hidden, head, targets, weights):
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
 
 
+def token_statistics(hidden, head, targets):
+    # Each position's (log-probability of its target, entropy of its distribution, 1.0 where the target is the
+    # likeliest token), logits upcast to f32 as transformers does; only the log-probability takes a gradient.
+    logits = jnp.einsum("bsd,vd->bsv", hidden, head).astype(jnp.float32)  # (B, S, Vocab)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    known = jax.lax.stop_gradient(log_probs)
+    entropy = -jnp.sum(jnp.exp(known) * known, axis=-1)
+    top = (jnp.argmax(known, axis=-1) == targets).astype(jnp.float32)
+    return jnp.stack([chosen, entropy, top], axis=-1)  # (B, S, 3)
+
+
 def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
     # The head's matmul and the loss at most 1024 positions at a time, in chunks as even as they come (a
     # row of 4,097 positions: five of 820, the last three padded with weight zero): f32 logits of one
@@ -295,7 +307,7 @@ def cross_entropy_chunked(hidden, head, targets, weights, recompute=False):
 _SHARED = {
     f.__name__: f
     for f in (embedding, rms_norm, linear, linear_bias, split_heads, merge_heads, rope, rotate, silu,
-              arange_positions, to_f32)
+              arange_positions, to_f32, token_statistics)
 }
 EXACT = {**_SHARED, "attention": attention_exact, "causal_mask": causal_mask, "document_mask": document_mask,
          "cross_entropy": cross_entropy}

@@ -152,6 +152,18 @@ def cross_entropy(hidden, head, targets, weights):
     return (losses * weights).sum() / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def token_statistics(hidden, head, targets):
+    # Each position's (log-probability of its target, entropy of its distribution, 1.0 where the target is the
+    # likeliest token), logits upcast to f32 as transformers does; only the log-probability takes a gradient.
+    logits = F.linear(hidden, head).float()  # (B, S, Vocab)
+    log_probs = logits.log_softmax(-1)
+    chosen = log_probs.gather(-1, targets.long()[..., None])[..., 0]
+    known = log_probs.detach()
+    entropy = -(known.exp() * known).sum(-1)
+    top = (known.argmax(-1) == targets.long()).float()
+    return torch.stack([chosen, entropy, top], dim=-1)  # (B, S, 3)
+
+
 def cross_entropy_in_one_op(hidden, head, targets, weights, rows=1024):
     # The head's product and the loss in one of Linnet's ops (csrc/linear_cross_entropy.cpp), `rows` at a
     # time: the logits are never whole, and the backward keeps the gradients the forward made, not the logits.
@@ -164,7 +176,7 @@ def cross_entropy_in_one_op(hidden, head, targets, weights, rows=1024):
 _SHARED = {
     f.__name__: f
     for f in (embedding, rms_norm, linear, linear_bias, split_heads, merge_heads, rope, rotate, silu,
-              arange_positions, to_f32, cross_entropy)
+              arange_positions, to_f32, cross_entropy, token_statistics)
 }
 EXACT = {**_SHARED, "attention": attention_exact, "causal_mask": causal_mask_exact, "document_mask": document_mask}
 FAST = {**_SHARED, "attention": attention_fast, "causal_mask": causal_mask_fast, "document_mask": document_mask_fast}

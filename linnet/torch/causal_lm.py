@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from linnet.cardlang.generics import bind_generics
 from linnet.cards import config_card, huggingface
@@ -41,7 +42,7 @@ from linnet.torch.model import TorchModel
 
 __all__ = ["ShardedCausalLM", "engine_of", "is_decoder_layer", "is_transformers_module", "sharded_in_place"]
 
-ENTRIES = ["loss_packed", "logits_packed"]
+ENTRIES = ["loss_packed", "logits_packed", "token_statistics_packed"]
 IGNORE_INDEX = -100  # transformers' label of a position that takes no loss
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _LAYER_MARK = "_linnet_fully_shard_unit"  # set on a decoder layer given to fully_shard before its model
@@ -107,17 +108,47 @@ def sharded_in_place(model: torch.nn.Module, engine: TorchModel, mesh, placement
             module._parameters[name] = None
     model.linnet_parts = DTensorParts(engine.params, mesh, placements, engine.sharding.world)
     model._linnet_engine, model._linnet_saved_dtype, model._linnet_gradient_sync = engine, dtype, True
+    model._linnet_recompute = engine.sharding.recompute
     cls = type(model)
-    model.__class__ = type(f"Linnet{cls.__name__}", (ShardedCausalLM, cls), {"__module__": __name__})
+    # FSDPModule among the bases: accelerate, configured for FSDP2, takes the model as sharded already
+    model.__class__ = type(f"Linnet{cls.__name__}", (ShardedCausalLM, FSDPModule, cls), {"__module__": __name__})
     return model
+
+
+class _Forward:
+    """ShardedCausalLM.forward: on the class, `_forward` (what transformers' Trainer inspects); on a model,
+    `_forward` bound, or what was installed over it (a wrapper such as accelerate's autocast), as on any
+    module. TRL's fused LM head (trl.trainer.utils.add_fused_lm_head) is not installed: it would read the
+    head's weight, which the engine holds in parts; `_forward` computes the same outputs with
+    fused_lm_head=True."""
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return owner._forward
+        return model.__dict__.get("_linnet_installed_forward") or model._forward
+
+    def __set__(self, model, function) -> None:
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        if code is not None and code.co_name == "_fused_forward":
+            return
+        model.__dict__["_linnet_installed_forward"] = function
+
+    def __delete__(self, model) -> None:
+        model.__dict__.pop("_linnet_installed_forward", None)
 
 
 class ShardedCausalLM:
     """What a transformers causal LM becomes once sharded (mixed in before its own class)."""
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, cache_position=None, logits_to_keep=0, num_items_in_batch=None, **kwargs):
+    forward = _Forward()
+
+    def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                 return_dict=None, cache_position=None, logits_to_keep=0, num_items_in_batch=None,
+                 fused_lm_head: bool = False, shift_labels=None, **kwargs):
+        """transformers' forward of a causal LM: `.loss` of `labels` (shifted; or `shift_labels`, already
+        shifted), or `.logits` without them; with fused_lm_head=True, TRL's FusedCausalLMOutput (each next
+        token's log-probability, the distribution's entropy, whether the label is the likeliest token)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         refused = {"inputs_embeds": inputs_embeds is not None, "past_key_values": past_key_values is not None,
@@ -129,14 +160,25 @@ class ShardedCausalLM:
                             f"attention_mask, position_ids, labels, num_items_in_batch); it does not take {names}")
         engine = self._linnet_engine
         tokens, positions, segments = _packed_inputs(input_ids, attention_mask, position_ids, engine.device)
-        if labels is None:
-            logits = engine._call("logits_packed", (tokens, positions, segments))
-            return CausalLMOutputWithPast(logits=logits)
-        shifted = F.pad(labels.to(engine.device), (0, 1), value=IGNORE_INDEX)[:, 1:]
+        rows, length = tokens.shape
+        shape = _agreed_shape(engine, rows, length)
+        if labels is None and shift_labels is None:
+            inputs = _padded(shape, tokens=tokens, positions=positions, segments=segments)
+            logits = engine._call("logits_packed", inputs)
+            return CausalLMOutputWithPast(logits=logits[:rows, :length])
+        if shift_labels is not None:
+            shifted = shift_labels.to(engine.device)
+        else:
+            shifted = F.pad(labels.to(engine.device), (0, 1), value=IGNORE_INDEX)[:, 1:]
         counted = shifted != IGNORE_INDEX
         targets = torch.where(counted, shifted, 0).to(torch.int32)
+        if fused_lm_head:
+            inputs = _padded(shape, tokens=tokens, targets=targets, positions=positions, segments=segments)
+            statistics = engine._call("token_statistics_packed", inputs)
+            return _fused_outputs(statistics[:rows, :length], counted, shift_labels is None, num_items_in_batch)
         weights = counted.to(torch.float32)
-        loss = engine._call("loss_packed", (tokens, targets, positions, segments, weights))
+        inputs = _padded(shape, tokens=tokens, targets=targets, positions=positions, segments=segments, weights=weights)
+        loss = engine._call("loss_packed", inputs)
         if num_items_in_batch is not None:  # transformers' sum over the batch's counted tokens, not this row's mean
             loss = loss * weights.sum() / torch.as_tensor(num_items_in_batch, device=loss.device)
         return CausalLMOutputWithPast(loss=loss)
@@ -187,12 +229,34 @@ class ShardedCausalLM:
         backward all the same (the sum is the same; the saving in communication is not had)."""
         self._linnet_gradient_sync = bool(requires_gradient_sync)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
-        recompute = self._linnet_engine.sharding.recompute
-        if recompute != "full":
-            raise UserError(f"this model was sharded with recompute={recompute!r}: call "
-                            "model.gradient_checkpointing_enable() before fully_shard, or fully_shard(model, "
-                            "recompute='full')")
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                        offload: bool = False, **kwargs) -> None:
+        """transformers' activation checkpointing: the engine recomputes each layer in its backward
+        (recompute "full"), compiled again. Every layer, on the GPU: every_n_layers and offload are refused."""
+        if every_n_layers != 1 or offload:
+            raise UserError("a model sharded by Linnet recomputes every layer, its activations on the GPU: "
+                            "leave every_n_layers and offload out of activation_checkpointing_kwargs")
+        self._linnet_engine.recompute_as("full")
+
+    def activation_checkpointing_disable(self) -> None:
+        """Back to the recompute policy fully_shard was given (or chose)."""
+        self._linnet_engine.recompute_as(self._linnet_recompute)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self._linnet_engine.sharding.recompute == "full"
+
+    is_gradient_checkpointing = is_activation_checkpointing
+
+    def _get_fsdp_state(self):
+        raise UserError(f"{type(self).__name__} is sharded by Linnet, not by FSDP2: FSDP2's controls of a module "
+                        "(unshard, reshard, prefetch and hook settings) do not apply to it")
 
     def _apply(self, fn, recurse: bool = True):
         """A move or cast (`model.to(...)`, `.cuda()`, `.bfloat16()`) that would change the parts is refused:
@@ -204,6 +268,44 @@ class ShardedCausalLM:
                             f"{probe.device} in {probe.dtype} they would leave the function that trains them); "
                             "pass mp_policy to fully_shard for the compute dtype")
         return self
+
+
+def _fused_outputs(statistics: torch.Tensor, counted: torch.Tensor, shifted_here: bool, num_items_in_batch):
+    """TRL's FusedCausalLMOutput from token_statistics_packed's (log-probability, entropy, top-1) a position:
+    shaped as TRL's (the last position dropped where the labels were shifted here), zero where the label is
+    ignored, and the loss as TRL's fused head computes it."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    if shifted_here:
+        statistics, counted = statistics[:, :-1], counted[:, :-1]
+    log_probs, entropy = statistics[..., 0] * counted, statistics[..., 1] * counted
+    divisor = counted.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedCausalLMOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, entropy=entropy,
+                               is_top1=(statistics[..., 2] > 0.5) & counted, label_mask=counted)
+
+
+def _agreed_shape(engine: TorchModel, rows: int, length: int) -> tuple[int, int]:
+    """The (rows, length) every rank computes this call at: the largest of any rank's. An untied embedding's
+    lookup exchanges the ranks' tokens, which must be as many on each; a rank whose batch is shorter (padded
+    to its own longest row, or the last batch of an epoch) pads it further."""
+    if engine.sharding.world == 1:
+        return rows, length
+    from linnet.torch.agree import cpu_group
+
+    shape = torch.tensor([rows, length])
+    dist.all_reduce(shape, dist.ReduceOp.MAX, group=cpu_group(engine.sharding.group_name))
+    return int(shape[0]), int(shape[1])
+
+
+def _padded(shape: tuple[int, int], **inputs: torch.Tensor) -> tuple:
+    """The entry's inputs, in the order given, padded to `shape`: the padding is a segment of its own (-2,
+    apart from a padding mask's -1 and the documents' 0 and up), so no real token attends to it, and it takes
+    no weight."""
+    rows, length = inputs["tokens"].shape
+    grow = (0, shape[1] - length, 0, shape[0] - rows)
+    if not any(grow):
+        return tuple(inputs.values())
+    return tuple(F.pad(tensor, grow, value=-2 if name == "segments" else 0) for name, tensor in inputs.items())
 
 
 def _packed_inputs(input_ids, attention_mask, position_ids, device: torch.device):

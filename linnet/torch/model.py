@@ -90,6 +90,23 @@ class TorchModel(LoadedModel):
         # entry -> its function with the steps first, compiled again from the new functions when first called
         self._stepping_entries: dict = {}
 
+    def recompute_as(self, recompute: str) -> None:
+        """Sharded already, what the backward recomputes from now on ("gather", "matmuls" or "full", as
+        fully_shard's recompute): the entries are emitted and compiled again; the parts stay as they are."""
+        import dataclasses
+
+        from linnet.torch.collectives import bindings
+        from linnet.torch.recompute import POLICIES
+
+        if recompute not in POLICIES:
+            raise ValueError(f'recompute must be "gather", "matmuls" or "full", got {recompute!r}')
+        if self.sharding is None:
+            raise RuntimeError("recompute_as changes a sharded model's policy: fully_shard(model, recompute=...) first")
+        if recompute != self.sharding.recompute:
+            self.layer_region_over(self.sharding.world * self.sharding.replicas, recompute)  # refused before a change
+            self.sharding = dataclasses.replace(self.sharding, recompute=recompute)
+            self.install(self.emit(schedule=self.sharding.schedule).source, bindings(self.sharding))
+
     def _call(self, entry: str, inputs):
         if self.unusable is not None:
             raise RuntimeError(self.unusable)
