@@ -257,3 +257,35 @@ def test_gradient_checkpointing_is_the_full_recompute_policy():
     assert before == "full"
     assert policies == [("gather", False), ("full", True), ("gather", False)]
     assert losses[0] == losses[1] == losses[2]
+
+
+def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
+    """tests/trl_driver.py over 2 Gloo processes, as TRL runs on CPUs (DistributedDataParallel) and on a model
+    sharded by Linnet: the logged loss, gradient norm, entropy and token accuracy of each step, and the saved
+    weights. TRL's defaults hold: its fused LM head's outputs, and gradient checkpointing."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root), os.environ.get("PYTHONPATH", "")])}
+    results = {}
+    for mode in ("ddp", "linnet"):
+        out = tmp_path / mode
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(root / "tests/trl_driver.py"), mode, str(out)], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=LIMIT_S)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        results[mode] = (json.loads((out / "history.json").read_text()), load_file(out / "final/model.safetensors"))
+    (expected, expected_weights), (history, weights) = results["ddp"], results["linnet"]
+    assert len(history) == len(expected) == 4
+    for step, entry in zip(expected, history):
+        assert entry == pytest.approx(step, rel=1e-5, abs=1e-7)
+    assert weights.keys() == expected_weights.keys()
+    for name, tensor in weights.items():
+        assert relative_error(tensor.numpy(), expected_weights[name].numpy()) < 5e-5, name

@@ -149,7 +149,6 @@ class ShardedCausalLM:
         """transformers' forward of a causal LM: `.loss` of `labels` (shifted; or `shift_labels`, already
         shifted), or `.logits` without them; with fused_lm_head=True, TRL's FusedCausalLMOutput (each next
         token's log-probability, the distribution's entropy, whether the label is the likeliest token)."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
 
         refused = {"inputs_embeds": inputs_embeds is not None, "past_key_values": past_key_values is not None,
                    "output_attentions": bool(output_attentions), "output_hidden_states": bool(output_hidden_states),
@@ -159,6 +158,17 @@ class ShardedCausalLM:
             raise UserError(f"a model sharded by Linnet computes the loss or the logits of input_ids (with "
                             f"attention_mask, position_ids, labels, num_items_in_batch); it does not take {names}")
         engine = self._linnet_engine
+        # The compute dtype is fully_shard's (mp_policy's param_dtype, else the parameters' dtype): an autocast
+        # around the forward (accelerate's mixed_precision, TrainingArguments' bf16) is left outside.
+        with torch.autocast(engine.device.type, enabled=False):
+            return self._engine_forward(engine, input_ids, attention_mask, position_ids, labels, shift_labels,
+                                        num_items_in_batch, fused_lm_head)
+
+    @staticmethod
+    def _engine_forward(engine: TorchModel, input_ids, attention_mask, position_ids, labels, shift_labels,
+                        num_items_in_batch, fused_lm_head: bool):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
         tokens, positions, segments = _packed_inputs(input_ids, attention_mask, position_ids, engine.device)
         rows, length = tokens.shape
         shape = _agreed_shape(engine, rows, length)
