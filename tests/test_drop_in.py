@@ -271,6 +271,7 @@ def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
 
     from safetensors.torch import load_file
 
+    pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[test]')")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root), os.environ.get("PYTHONPATH", "")])}

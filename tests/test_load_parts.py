@@ -114,15 +114,24 @@ def anonymous_memory() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
 
 
-def loading_peak(rank: int, world: int, card) -> tuple[int, int, int]:
-    """(the most anonymous memory loading added, this rank's parts in bytes, the largest group in f32 bytes)."""
+def loading_peak(rank: int, world: int, card, source: str) -> tuple[int, int, int]:
+    """(the most anonymous memory loading added, this rank's parts in bytes, the largest group in f32 bytes).
+    source: "nest.load", or "meta" (transformers' model of the folder built on the meta device)."""
     import gc
     import threading
 
+    from linnet.cards import resolve
     from linnet.torch import fully_shard
     from linnet.hf.read import SliceReader
 
-    model = load(card, None)
+    if source == "meta":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve(card).weights.repo),
+                                                     dtype=torch.float32)
+    else:
+        model = load(card, None)
     gc.collect()
     base, peak, done = anonymous_memory(), [0], threading.Event()
 
@@ -150,13 +159,16 @@ def loading_peak(rank: int, world: int, card) -> tuple[int, int, int]:
     finally:
         done.set()
         poller.join()
-    largest = max(layout.extent for layout in model.sharding.layouts.values()) * 4
-    return peak[0], sum(p.numel() * p.element_size() for p in model.parameters()), largest
+        SliceReader.read = read
+    engine = model._linnet_engine if source == "meta" else model
+    largest = max(layout.extent for layout in engine.sharding.layouts.values()) * 4
+    return peak[0], sum(p.numel() * p.element_size() for p in engine.parameters()), largest
 
 
-def test_loading_a_few_hundred_mb_holds_the_parts_and_one_group(tmp_path):
+@pytest.mark.parametrize("source", ["nest.load", "meta"])
+def test_loading_a_few_hundred_mb_holds_the_parts_and_one_group(tmp_path, source):
     card = save_hf_llama(tmp_path, vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_shard_size="100MB")
     assert sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors")) > 200e6  # f32
-    for peak, parts, group in run(loading_peak, 2, card, timeout=300):
+    for peak, parts, group in run(loading_peak, 2, card, source, timeout=300, fresh=True):  # memory measured
         assert parts < peak <= (parts + group) * 1.1

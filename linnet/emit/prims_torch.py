@@ -157,7 +157,7 @@ def token_statistics(hidden, head, targets):
     # likeliest token), logits upcast to f32 as transformers does; only the log-probability takes a gradient.
     logits = F.linear(hidden, head).float()  # (B, S, Vocab)
     log_probs = logits.log_softmax(-1)
-    chosen = log_probs.gather(-1, targets.long()[..., None])[..., 0]
+    chosen = torch.take_along_dim(log_probs, targets.long()[..., None], dim=-1)[..., 0]
     known = log_probs.detach()
     entropy = -(known.exp() * known).sum(-1)
     top = (known.argmax(-1) == targets.long()).float()
