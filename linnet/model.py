@@ -17,8 +17,8 @@ from linnet.cards import Card
 from linnet.emit.source import Backend, Emitted, emit
 from linnet.cardlang.generics import check_inputs
 from linnet.sharding.schedule import check_bindings
-from linnet.hf.read import (CheckpointWeights, RandomWeights, WeightSpec, check_checkpoint, checkpoint_files, locate,
-                            read_tensors, weight_specs)
+from linnet.hf.read import (CheckpointWeights, RandomWeights, WeightSpec, check_checkpoint, checkpoint_files, grouped,
+                            locate, read_tensors, weight_specs)
 
 
 class LoadedModel(ABC):
@@ -99,16 +99,7 @@ class LoadedModel(ABC):
         else:
             tensors = ((spec, self._convert(tensor))
                        for spec, tensor in read_tensors(specs, source.files, device=self._read_device()))
-        params: dict = {}
-        for spec, tensor in tensors:
-            if spec.index is None:
-                params.setdefault(spec.group, {})[spec.name] = tensor
-            else:
-                layers = params.setdefault(spec.group, [])
-                while len(layers) <= spec.index:
-                    layers.append({})
-                layers[spec.index][spec.name] = tensor
-        self.params = params
+        self.params = grouped(tensors)
 
     def _check_fits(self, elements: int) -> None:
         """Raises, before anything is allocated, when the whole model cannot fit where its weights would go."""

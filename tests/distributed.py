@@ -85,7 +85,7 @@ class _Ranks:
         self.results = context.Queue()
         self.processes = [
             context.Process(target=_serve, args=(rank, world, self.store.port, backend, self.calls[rank],
-                                                 self.results), daemon=True)
+                                                 self.results, os.getpid()), daemon=True)
             for rank in range(world)
         ]
         for process in self.processes:
@@ -141,9 +141,10 @@ def _close_all() -> None:
         _ranks.popitem()[1].close()
 
 
-def _serve(rank, world, port, backend, calls, results) -> None:
+def _serve(rank, world, port, backend, calls, results, parent: int) -> None:
     """One rank: joins the group, then runs each call it is handed until told to stop (None), the group it
-    made is gone, or a call fails."""
+    made is gone, a call fails, or the process that started it is gone (a pytest worker that ended without
+    closing its ranks: the rank leaves at once, rather than run on with its watchdog)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep the traffic on this machine
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
@@ -161,7 +162,7 @@ def _serve(rank, world, port, backend, calls, results) -> None:
     except BaseException as error:  # noqa: BLE001  (sent to the parent, which raises it)
         results.put((rank, "error", _sendable(error), True))
         return
-    while (task := calls.get()) is not None:
+    while (task := _next_call(calls, parent)) is not None:
         fn, args = task
         try:
             results.put((rank, "ok", fn(rank, world, *args), _retired(dist, group)))
@@ -172,6 +173,16 @@ def _serve(rank, world, port, backend, calls, results) -> None:
             break
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _next_call(calls, parent: int):
+    """The next call handed to this rank, None to stop; where the parent is gone, this process ends."""
+    while True:
+        try:
+            return calls.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                os._exit(0)
 
 
 def _retired(dist, group) -> bool:

@@ -71,6 +71,20 @@ def weight_specs(checked: Checked) -> list[WeightSpec]:
     return specs
 
 
+def grouped(weights) -> dict:
+    """(spec, tensor) pairs as a model's params: params[group][name], or params[group][layer][name]."""
+    params: dict = {}
+    for spec, tensor in weights:
+        if spec.index is None:
+            params.setdefault(spec.group, {})[spec.name] = tensor
+        else:
+            layers = params.setdefault(spec.group, [])
+            while len(layers) <= spec.index:
+                layers.append({})
+            layers[spec.index][spec.name] = tensor
+    return params
+
+
 def group_specs(checked: Checked, specs: list[WeightSpec]) -> Iterator[tuple[GroupDecl, int | None, list[WeightSpec]]]:
     """Each group of weights in checkpoint order: (its declaration, its layer or None, its specs in flat order)."""
     by_group: dict = {}

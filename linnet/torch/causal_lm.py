@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from linnet.cardlang.generics import bind_generics
 from linnet.cards import config_card, huggingface
 from linnet.errors import UserError
-from linnet.hf.read import tied_names
+from linnet.hf.read import grouped, tied_names
 from linnet.hf.write import DTYPES
 from linnet.torch.model import TorchModel
 
@@ -386,20 +386,11 @@ def _take_weights(model, engine: TorchModel) -> dict:
     """The model's weights under the engine's groups (the tensors themselves: fully_shard casts each group
     to its f32 part and drops it before the next)."""
     state = dict(model.named_parameters(remove_duplicate=False))
-    params: dict = {}
-    for spec in engine.specs():
-        if spec.checkpoint_name not in state:
-            raise UserError(f"{type(model).__name__} has no parameter {spec.checkpoint_name}, which its family "
-                            f"computes with: fully_shard takes the model as transformers builds it")
-        tensor = state[spec.checkpoint_name].detach()
-        if spec.index is None:
-            params.setdefault(spec.group, {})[spec.name] = tensor
-        else:
-            layers = params.setdefault(spec.group, [])
-            while len(layers) <= spec.index:
-                layers.append({})
-            layers[spec.index][spec.name] = tensor
-    return params
+    missing = [spec.checkpoint_name for spec in engine.specs() if spec.checkpoint_name not in state]
+    if missing:
+        raise UserError(f"{type(model).__name__} has no parameter {missing[0]}, which its family computes with: "
+                        "fully_shard takes the model as transformers builds it")
+    return grouped((spec, state[spec.checkpoint_name].detach()) for spec in engine.specs())
 
 
 def group_device(group: dist.ProcessGroup, model: torch.nn.Module) -> torch.device:
