@@ -125,6 +125,9 @@ SLOW = (
     "test_checkpoint_settings.py::test_jax_*_a_new_learning_rate_*",
     "test_checkpoint.py::test_a_checkpoint_resumes_at_another_world_size",
     "test_ops.py::test_cpp_googletest*",
+    "test_drop_in.py::test_each_family_trains_as_one_process_in_the_users_loop[[]3]",
+    "test_parity.py::test_compiled_equals_eager[[]gqa2-tied-llama3]",
+    "test_step_in_backward.py::test_training_that_steps_in_the_backward_equals_stepping_after[[]1-inductor]",
 )
 
 
