@@ -107,7 +107,7 @@ def sharded_in_place(model: torch.nn.Module, engine: TorchModel, mesh, placement
         for name in list(module._parameters):
             module._parameters[name] = None
     model.linnet_parts = DTensorParts(engine.params, mesh, placements, engine.sharding.world)
-    model._linnet_engine, model._linnet_saved_dtype, model._linnet_gradient_sync = engine, dtype, True
+    model._linnet_engine, model._linnet_saved_dtype = engine, dtype
     model._linnet_recompute = engine.sharding.recompute
     cls = type(model)
     # FSDPModule among the bases: accelerate, configured for FSDP2, takes the model as sharded already
@@ -237,7 +237,6 @@ class ShardedCausalLM:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """FSDP2's switch for gradient accumulation. Accepted: the gradients are reduce-scattered at every
         backward all the same (the sum is the same; the saving in communication is not had)."""
-        self._linnet_gradient_sync = bool(requires_gradient_sync)
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
                                         offload: bool = False, **kwargs) -> None:
