@@ -11,8 +11,9 @@
 The model already shares its gradients out (each backward reduce-scatters them into the ranks' parts), so
 the trainer must not wrap it again: accelerate would wrap it in DistributedDataParallel wherever it is not
 configured for FSDP2 (on CPUs always: accelerate runs FSDP only on accelerators). Where accelerate is
-configured for FSDP2 it passes the model through as it is (the model presents itself as an FSDPModule),
-and saving is the Trainer's own (with fsdp_config's state_dict_type FULL_STATE_DICT).
+configured for FSDP2 it passes the model through as it is (the model presents itself as an FSDPModule), but
+the plain Trainer's FSDP save then hands save_pretrained a state dict on the first rank alone, which the
+sharded model refuses: the trainers here save from every rank instead (not yet run on GPUs).
 
 `ShardedTrainerMixin` adapts any Trainer subclass:
 - the model is prepared as it is, never wrapped;
