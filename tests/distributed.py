@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -37,6 +38,13 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.args[0]
+
+
+def free_port() -> int:
+    """A TCP port on the loopback address that nothing listens on now (for a launcher's rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo",

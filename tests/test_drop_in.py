@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run
+from distributed import free_port, run
 from hf_models import make_hf_model
 from test_families import FAMILIES
 
@@ -53,15 +53,20 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.01)
 
 
-def train_sharded(rank: int, world: int, cases: list) -> list:
+def train_sharded(rank: int, world: int, cases: list, mesh_shape: tuple[int, int] | None = None) -> list:
+    """Each case trained in the user's loop, over every rank, or over a ("replicate", "shard") mesh of
+    `mesh_shape` (FSDP2's hybrid sharding)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from linnet.torch import fully_shard
 
+    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     results = []
     for model_type, tie in cases:
         model = case_model(model_type, tie)
         for layer in model.model.layers:
-            fully_shard(layer)
-        assert fully_shard(model) is model
+            fully_shard(layer, mesh=mesh)
+        assert fully_shard(model, mesh=mesh) is model
         optimizer = adamw(model.parameters())
         losses, norms = [], []
         for step in range(STEPS):
@@ -97,8 +102,19 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
 
 @pytest.mark.parametrize("world", [2, 3])  # 3: every group padded
 def test_each_family_trains_as_one_process_in_the_users_loop(world):
-    results = run(train_sharded, world, CASES, timeout=LIMIT_S)
-    for index, (model_type, tie) in enumerate(CASES):
+    assert_trained_as_one_process(run(train_sharded, world, CASES, timeout=LIMIT_S), CASES, world)
+
+
+def test_a_2d_mesh_trains_as_one_process_in_the_users_loop():
+    """FSDP2's hybrid sharding, 2 replicas of 2 shards: each part's gradient reduce-scattered inside its shard
+    group and averaged across the replicas (the late parts, the first layer's and a tied embedding, by their
+    hooks); clip_grad_norm_ over parameters replicated on one dimension of the mesh and sharded on the other."""
+    cases = [("llama", True), ("qwen2", False)]
+    assert_trained_as_one_process(run(train_sharded, 4, cases, (2, 2), timeout=LIMIT_S), cases, 4)
+
+
+def assert_trained_as_one_process(results: list, cases: list, world: int) -> None:
+    for index, (model_type, tie) in enumerate(cases):
         label = f"{model_type} {'tied' if tie else 'untied'}"
         expected_losses, expected_norms, expected_weights = train_alone(model_type, tie, world)
         for rank, rank_results in enumerate(results):
@@ -112,8 +128,9 @@ def test_each_family_trains_as_one_process_in_the_users_loop(world):
 
 
 def rest_of_the_api(rank: int, world: int, folder: str) -> dict:
-    """mp_policy in bf16, accumulation with set_requires_gradient_sync, save_pretrained and the state dicts,
-    and a model built on the meta device reading this rank's parts from the saved folder."""
+    """mp_policy in bf16, accumulation with set_requires_gradient_sync, save_pretrained (from every rank, or from
+    one given the full state dict) and the state dicts, generate(), a model built on the meta device reading
+    this rank's parts from the saved folder, and load_weights into a model sharded already."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -138,17 +155,29 @@ def rest_of_the_api(rank: int, world: int, folder: str) -> dict:
 
     model.save_pretrained(folder)
     full = model.state_dict()
-    options = StateDictOptions(full_state_dict=True)
-    assert all(torch.equal(tensor, full[name]) for name, tensor in get_model_state_dict(model, options=options).items())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    gathered = get_model_state_dict(model, options=options)  # every rank; the first keeps it
     if rank == 0:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
-        out["saved_equal"] = loaded.keys() == full.keys() and all(torch.equal(loaded[k], full[k]) for k in full)
+        assert gathered.keys() == full.keys() and all(torch.equal(gathered[name], full[name]) for name in full)
+        model.save_pretrained(f"{folder}-given", state_dict=gathered)  # the plain Trainer's FSDP save: one rank
+        for saved in (folder, f"{folder}-given"):
+            loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
+            out[f"equal {saved}"] = loaded.keys() == full.keys() and all(torch.equal(loaded[k], full[k]) for k in full)
     out["loss_after"] = float(model(**batch(2, rank), use_cache=False).loss)
+    prompts = torch.randint(1, VOCAB, (2, 5 + rank), generator=torch.Generator().manual_seed(rank))
+    mask = torch.ones_like(prompts)
+    mask[1, :2] = 0  # left padding, as generation pads
+    out["generated"] = (prompts, mask, model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=4,
+                                                      do_sample=False))
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     fully_shard(meta)
     out["meta_loss"] = float(meta(**batch(2, rank), use_cache=False).loss)
+    again = case_model("qwen3", True)
+    fully_shard(again)
+    again.load_weights(folder)  # into a model sharded already, as resuming a Trainer run does
+    out["reloaded_loss"] = float(again(**batch(2, rank), use_cache=False).loss)
     return out
 
 
@@ -165,9 +194,18 @@ def test_mixed_precision_accumulation_saving_and_the_meta_device(tmp_path):
     sum(model(**batch(step, rank), use_cache=False).loss for step in (0, 1) for rank in range(2)).div(2).backward()
     expected_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
     assert [r["accumulated_norm"] for r in results] == pytest.approx([expected_norm] * 2, rel=1e-5)
-    assert results[0]["saved_equal"]
+    saved = str(tmp_path / "saved")
+    assert results[0][f"equal {saved}"] and results[0][f"equal {saved}-given"]
     for result in results:
-        assert result["meta_loss"] == result["loss_after"]  # the same weights, read from the folder
+        assert result["meta_loss"] == result["reloaded_loss"] == result["loss_after"]  # the same weights, read back
+    # generate(), each rank its own prompts (one rank's sequences may end first), against transformers' own with
+    # its key-value cache, from the saved weights
+    from transformers import AutoModelForCausalLM
+
+    alone = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    for prompts, mask, generated in (result["generated"] for result in results):
+        expected = alone.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert torch.equal(generated, expected)
 
 
 def refusals(rank: int, world: int) -> dict:
@@ -207,8 +245,8 @@ def refusals(rank: int, world: int) -> dict:
         "window": refused(lambda: make_hf_model("mistral", seed=0, num_key_value_heads=2, sliding_window=8)),
         "base model": refused(lambda: case_model("llama", False).model),
         "offload": refused(lambda: case_model("llama", False), offload_policy=CPUOffloadPolicy()),
-        "2-D mesh": refused(lambda: case_model("llama", False),
-                            mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))),
+        "tensor-parallel mesh": refused(lambda: case_model("llama", False),
+                                        mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))),
     }
 
 
@@ -219,7 +257,7 @@ REFUSED = {  # each refusal names the thing and the way out
     "window": ["sliding_window"],
     "base model": ["…ForCausalLM", "LlamaModel"],
     "offload": ["does not offload", "CPUOffloadPolicy"],
-    "2-D mesh": ["1-D mesh", "nest.load the model's folder"],
+    "tensor-parallel mesh": ["one dimension, or of two named ('replicate', 'shard')", "('dp', 'tp')"],
 }
 
 
@@ -262,7 +300,9 @@ def test_gradient_checkpointing_is_the_full_recompute_policy():
 def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
     """tests/trl_driver.py over 2 Gloo processes, as TRL runs on CPUs (DistributedDataParallel) and on a model
     sharded by Linnet: the logged loss, gradient norm, entropy and token accuracy of each step, and the saved
-    weights. TRL's defaults hold: its fused LM head's outputs, and gradient checkpointing."""
+    weights. TRL's defaults hold: its fused LM head's outputs, and gradient checkpointing. Then the Linnet run
+    resumed from its checkpoint at step 2, started by `accelerate launch`: the same steps 3 and 4, the same
+    weights."""
     import json
     import os
     import subprocess
@@ -275,14 +315,19 @@ def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root), os.environ.get("PYTHONPATH", "")])}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
+                  "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+                  f"--main_process_port={free_port()}"]
+    runs = {"ddp": (torchrun, "ddp"), "linnet": (torchrun, "linnet"),
+            "resumed": (accelerate, "linnet", str(tmp_path / "linnet/run/checkpoint-2"))}
     results = {}
-    for mode in ("ddp", "linnet"):
-        out = tmp_path / mode
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(root / "tests/trl_driver.py"), mode, str(out)], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=LIMIT_S)
+    for name, (launcher, *arguments) in runs.items():
+        out = tmp_path / name
+        done = subprocess.run([*launcher, str(root / "tests/trl_driver.py"), arguments[0], str(out), *arguments[1:]],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=LIMIT_S)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-        results[mode] = (json.loads((out / "history.json").read_text()), load_file(out / "final/model.safetensors"))
+        results[name] = (json.loads((out / "history.json").read_text()), load_file(out / "final/model.safetensors"))
     (expected, expected_weights), (history, weights) = results["ddp"], results["linnet"]
     assert len(history) == len(expected) == 4
     for step, entry in zip(expected, history):
@@ -290,3 +335,9 @@ def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
     assert weights.keys() == expected_weights.keys()
     for name, tensor in weights.items():
         assert relative_error(tensor.numpy(), expected_weights[name].numpy()) < 5e-5, name
+    resumed_history, resumed_weights = results["resumed"]
+    assert len(resumed_history) == 4  # steps 1-2 from the checkpoint's state, 3-4 run again
+    for step, entry in zip(history, resumed_history):
+        assert entry == pytest.approx(step, rel=1e-6)
+    for name, tensor in weights.items():
+        assert torch.equal(resumed_weights[name], tensor), name

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run
+from distributed import free_port, run
 from test_checkpoint import HALF, halves, join, zero_weight
 from linnet import nest
 from linnet.torch.train import row_tensors
@@ -341,11 +341,7 @@ def test_two_machines_on_the_loopback_pick_hybrid_sharding_and_train_as_one(tmp_
     """Two machines of two processes each train as four processes on one machine do; the hybrid run's
     step-2 checkpoint resumes on the one machine, flat, to the same losses."""
     import shutil
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     machines = example(tmp_path, [["--nnodes=2", f"--node-rank={node}", "--nproc_per_node=2", "--rdzv-backend=c10d",
                                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=linnet-test"] for node in (0, 1)],
                        "--checkpoint", str(tmp_path / "hybrid"), "--checkpoint-every", "2")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +16,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from distributed import free_port
 from test_jax_train import adamw, card as card, load, mesh, rows  # noqa: F401  (the card fixture)
 
 from linnet.jax import hosts
 jax_train = importlib.import_module("linnet.jax.train")  # the module: linnet.jax.train is also the function
 
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two_processes(card, steps: int, checkpoint: Path | str, out: Path, *, failing: bool = False,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed import run
+from distributed import free_port, run
 
 from linnet import nest
 from linnet.data.packing import Example, pack
@@ -61,11 +61,7 @@ def test_a_lost_machine_ends_the_other_within_a_minute_naming_its_ranks(tmp_path
     whole (its torchrun and both workers SIGKILLed) after step 3. The first machine's ranks fail in their
     next collective (Gloo: "Connection reset by peer", naming an address), find whose heartbeats stopped,
     and end naming those ranks and their machine. (Measured: 12 s after the kill.)"""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     launches = []
     for node, extra in enumerate(([], ["--kill-this-machine"])):

@@ -1,11 +1,11 @@
-"""TRL's SFTTrainer on a tiny Llama and chat rows, started by torchrun:
+"""TRL's SFTTrainer on a tiny Llama and chat rows, started by torchrun (or accelerate launch):
 
-    torchrun --nproc_per_node=2 tests/trl_driver.py ddp|linnet OUT
+    torchrun --nproc_per_node=2 tests/trl_driver.py ddp|linnet OUT [CHECKPOINT]
 
 ddp: TRL as a TRL user runs it (on CPUs accelerate wraps the model in DistributedDataParallel: it runs
 FSDP only on accelerators). linnet: the same script with the lines a Linnet user changes, fully_shard and
-linnet.torch.trainers' SFTTrainer. Rank 0 writes the logged history to OUT/history.json; the trained
-model is saved to OUT/final."""
+linnet.torch.trainers' SFTTrainer, saving a checkpoint every 2 steps; with CHECKPOINT, resumed from it.
+Rank 0 writes the logged history to OUT/history.json; the trained model is saved to OUT/final."""
 
 import json
 import sys
@@ -19,10 +19,12 @@ from trl import SFTConfig
 from hf_models import make_hf_model
 
 mode, out = sys.argv[1], Path(sys.argv[2])
+resume_from = sys.argv[3] if len(sys.argv) > 3 else None
 tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "linnet/cards/tokenizers/tiny")
 rows = [{"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
                       {"role": "assistant", "content": f"{2 * i}, since {i} and {i} make {2 * i}"}]} for i in range(32)]
-model = make_hf_model("llama", seed=0, vocab_size=512)
+# a resumed run starts from other weights: all it trains on must come from the checkpoint
+model = make_hf_model("llama", seed=1 if resume_from else 0, vocab_size=512)
 if mode == "linnet":
     dist.init_process_group("gloo")
     from linnet.torch import fully_shard
@@ -38,10 +40,10 @@ else:
 # around the forward, which Linnet leaves outside: its compute dtype is fully_shard's mp_policy), and AdamW's eps
 # raised from 1e-8 (there an element whose gradient is rounding moves a full step either way: tests/test_drop_in.py)
 args = SFTConfig(output_dir=str(out / "run"), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
-                 adam_epsilon=1e-3, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
-                 max_length=48, bf16=False)
+                 adam_epsilon=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0, max_length=48, bf16=False,
+                 save_strategy="steps" if mode == "linnet" else "no", save_steps=2)
 trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
-trainer.train()
+trainer.train(resume_from_checkpoint=resume_from)
 trainer.save_model(str(out / "final"))
 if dist.get_rank() == 0:
     logged = ("loss", "grad_norm", "entropy", "mean_token_accuracy")

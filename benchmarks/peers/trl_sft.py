@@ -10,6 +10,11 @@ same held-out rows. benchmarks/peers/TRL.md says how it is set up and what diffe
 
     python benchmarks/peers/trl_sft.py --init ... --rows ... --steps 5      # one process, no FSDP (CPU too)
 
+With --linnet, the same script as a TRL user who moves to Linnet runs it (README, "From transformers, FSDP2
+or TRL"): the model from_pretrained(init) in f32, `linnet.torch.fully_shard(model, mp_policy=bf16)` (f32
+parts, bf16 compute, as FSDP2's mixed precision above), and `linnet.torch.trainers.SFTTrainer`; everything
+else as above, launched the same way (accelerate, configured for FSDP2, passes the sharded model through).
+
 Prints `RESULT {json}` on rank 0: system, shape, world, steps, step_s (median step after the first 3),
 tok_s (world x S / step_s), peak_gib (torch.cuda.max_memory_allocated, max over ranks), loss_start
 and loss_end (held-out, before the first step and after the last), losses (the training loss of
@@ -55,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bf16: SFTConfig(bf16=True) and the launcher's mixed_precision bf16 (the table); "
                         "fp32: no mixed precision (only for checking the loss by hand on a CPU; under accelerate "
                         "launch also pass --mixed_precision no)")
+    p.add_argument("--linnet", action="store_true",
+                   help="the model sharded by linnet.torch.fully_shard, trained by linnet.torch.trainers.SFTTrainer")
     p.add_argument("--output-dir", default=os.environ.get("TRL_SFT_OUTPUT_DIR", "/tmp/trl_sft_out"),
                    help="SFTConfig.output_dir (nothing is saved there)")
     return p.parse_args(argv)
@@ -167,6 +174,28 @@ def placeholder_tokenizer(config):
                                    pad_token=pad_token)
 
 
+def linnet_model(args, cuda: bool):
+    """The model as a TRL user moving to Linnet loads and shards it: f32 weights, bf16 compute and reduction
+    (the FSDP2 plugin's mixed precision), gradient checkpointing as recompute "full"."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import AutoModelForCausalLM
+
+    from linnet.torch import fully_shard
+
+    dist = torch.distributed
+    if not dist.is_initialized():  # one process, not launched: a group of one
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+    if args.ac:
+        model.gradient_checkpointing_enable()
+    compute = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    return fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoConfig, TrainerCallback
@@ -206,6 +235,11 @@ def main(argv=None) -> None:
         deviations.append("torch_compile True: accelerate torch.compiles the whole prepared model")
     if args.precision == "fp32":
         deviations.append("precision fp32 (bf16 off): a check run, not the table's setting")
+    if args.linnet:
+        deviations.append("linnet: the model from_pretrained(init, dtype=float32), sharded by linnet.torch.fully_shard "
+                          f"(mp_policy param_dtype and reduce_dtype {args.precision}, as the FSDP2 plugin's; recompute "
+                          "'full' under --ac), trained by linnet.torch.trainers.SFTTrainer; attention: Linnet's own "
+                          "(--attn does not apply)")
 
     def columns(rows):
         return Dataset.from_dict(row_columns(rows))
@@ -238,8 +272,12 @@ def main(argv=None) -> None:
         # TRL sets device_map None itself for DDP and DeepSpeed, not for FSDP, where its "auto" would spread each
         # process's float32 copy over every visible GPU; None loads it on the CPU (rank 0 only, with
         # fsdp_cpu_ram_efficient_loading) and fully_shard places the shards.
-        model_init_kwargs={"dtype": "float32", "attn_implementation": args.attn, "device_map": None},
+        model_init_kwargs=None if args.linnet else {"dtype": "float32", "attn_implementation": args.attn,
+                                                    "device_map": None},
     )
+    model = linnet_model(args, cuda) if args.linnet else args.init  # a name: SFTTrainer loads it as TRL's script
+    if args.linnet:
+        from linnet.torch.trainers import SFTTrainer  # noqa: F811  (TRL's, with Linnet's mixin)
 
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
@@ -332,7 +370,7 @@ def main(argv=None) -> None:
     tokenizer = placeholder_tokenizer(cfg)
     collator = PackedRowsCollator(tokenizer.pad_token_id)
     trainer = Trainer(
-        model=args.init,  # as TRL's sft script: SFTTrainer loads it with config.model_init_kwargs
+        model=model,
         args=config,
         train_dataset=columns(train_rows),
         processing_class=tokenizer,
@@ -366,7 +404,7 @@ def main(argv=None) -> None:
     import accelerate
     import transformers
     result = dict(
-        system="trl-fsdp2", shape=shape, world=world, steps=len(intervals), seq=seq,
+        system="trl-linnet" if args.linnet else "trl-fsdp2", shape=shape, world=world, steps=len(intervals), seq=seq,
         step_s=round(step_s, 4), tok_s=round(world * seq / step_s),
         step_compute_s=round(statistics.median(begin_end[3:] if len(begin_end) > 3 else begin_end), 4),
         first_steps_s=[round(x, 3) for x in intervals[:3]],

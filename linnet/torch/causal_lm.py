@@ -141,18 +141,30 @@ class ShardedCausalLM:
     """What a transformers causal LM becomes once sharded (mixed in before its own class)."""
 
     forward = _Forward()
+    # transformers' mark of a module FSDP2 shards: its generate() then keeps every rank calling the forward
+    # until every rank's sequences are done (synced_gpus), as the collectives inside need.
+    _is_fsdp_managed_module = True
+
+    def generate(self, *args, use_cache: bool | None = None, **kwargs):
+        """transformers' generate(), every rank together, without a key-value cache: each new token's forward
+        computes the whole sequence so far (the engine computes loss and logits, and keeps no cache)."""
+        if use_cache:
+            raise UserError("a model sharded by Linnet generates without a key-value cache: leave use_cache out "
+                            "of generate()")
+        return super().generate(*args, use_cache=False, **kwargs)
 
     def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                  inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
                  return_dict=None, cache_position=None, logits_to_keep=0, num_items_in_batch=None,
                  fused_lm_head: bool = False, shift_labels=None, **kwargs):
         """transformers' forward of a causal LM: `.loss` of `labels` (shifted; or `shift_labels`, already
-        shifted), or `.logits` without them; with fused_lm_head=True, TRL's FusedCausalLMOutput (each next
+        shifted), or `.logits` without them (the last `logits_to_keep` positions' where not 0); with
+        fused_lm_head=True, TRL's FusedCausalLMOutput (each next
         token's log-probability, the distribution's entropy, whether the label is the likeliest token)."""
 
         refused = {"inputs_embeds": inputs_embeds is not None, "past_key_values": past_key_values is not None,
                    "output_attentions": bool(output_attentions), "output_hidden_states": bool(output_hidden_states),
-                   "logits_to_keep": bool(logits_to_keep), **{key: True for key in kwargs}}
+                   "logits_to_keep": not isinstance(logits_to_keep, int), **{key: True for key in kwargs}}
         if any(refused.values()):
             names = ", ".join(key for key, given in refused.items() if given)
             raise UserError(f"a model sharded by Linnet computes the loss or the logits of input_ids (with "
@@ -162,11 +174,11 @@ class ShardedCausalLM:
         # around the forward (accelerate's mixed_precision, TrainingArguments' bf16) is left outside.
         with torch.autocast(engine.device.type, enabled=False):
             return self._engine_forward(engine, input_ids, attention_mask, position_ids, labels, shift_labels,
-                                        num_items_in_batch, fused_lm_head)
+                                        num_items_in_batch, fused_lm_head, logits_to_keep)
 
     @staticmethod
     def _engine_forward(engine: TorchModel, input_ids, attention_mask, position_ids, labels, shift_labels,
-                        num_items_in_batch, fused_lm_head: bool):
+                        num_items_in_batch, fused_lm_head: bool, logits_to_keep: int):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         tokens, positions, segments = _packed_inputs(input_ids, attention_mask, position_ids, engine.device)
@@ -174,8 +186,8 @@ class ShardedCausalLM:
         shape = _agreed_shape(engine, rows, length)
         if labels is None and shift_labels is None:
             inputs = _padded(shape, tokens=tokens, positions=positions, segments=segments)
-            logits = engine._call("logits_packed", inputs)
-            return CausalLMOutputWithPast(logits=logits[:rows, :length])
+            logits = engine._call("logits_packed", inputs)[:rows, :length]
+            return CausalLMOutputWithPast(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
         if shift_labels is not None:
             shifted = shift_labels.to(engine.device)
         else:
@@ -210,29 +222,63 @@ class ShardedCausalLM:
 
     def load_state_dict(self, *args, **kwargs):
         raise UserError("a model sharded by Linnet does not load a state dict: build the model on the meta "
-                        "device from its folder, and fully_shard reads this rank's parts from there")
+                        "device from its folder, and fully_shard reads this rank's parts from there; or "
+                        "model.load_weights(FOLDER) into the model as it is")
+
+    def load_weights(self, folder) -> None:
+        """Overwrites this rank's parts, in place (an optimizer over `parameters()` keeps them), with the
+        weights of a folder that save_pretrained or from_pretrained's checkpoint holds, read a group at a
+        time: only the rows of this rank's parts. Every rank calls it; the names and shapes are checked first."""
+        from linnet.torch.agree import together
+        from linnet.torch.shard import read_parts_into
+
+        together(lambda: read_parts_into(self._linnet_engine, folder), f"read the weights of {folder}")
 
     def save_pretrained(self, save_directory, *, is_main_process: bool = True, state_dict=None,
                         max_shard_size: int | str = "5GB", safe_serialization: bool = True, **kwargs):
         """A folder that `from_pretrained` loads: SafeTensors in the dtype the model's parameters had, written
         once from the parts (one group gathered at a time), with the model's own config.json and generation
-        config. Every rank must call it, whatever `is_main_process` says."""
-        if state_dict is not None or not safe_serialization:
-            raise UserError("a model sharded by Linnet saves its own parts as SafeTensors: call save_pretrained "
-                            "without state_dict and safe_serialization")
+        config. Every rank must call it, whatever `is_main_process` says.
+
+        state_dict: full weights under transformers' names, gathered already (as `get_model_state_dict(...,
+        full_state_dict=True)` gives them, which every rank calls): written by the rank given it, alone. The
+        plain Trainer's save under accelerate's FSDP2 passes one on the first rank."""
+        if not safe_serialization:
+            raise UserError("a model sharded by Linnet saves SafeTensors: call save_pretrained without "
+                            "safe_serialization=False")
+        if state_dict is not None:
+            self._write_configs(self._write_state_dict(save_directory, state_dict, max_shard_size))
+            return
         from linnet.torch.agree import together
 
         engine = self._linnet_engine
         folder = engine.save_weights(save_directory, dtype=self._linnet_saved_dtype, max_shard_size=max_shard_size)
         first = engine.sharding.rank == 0 and engine.sharding.replica == 0
+        together(lambda: self._write_configs(folder) if first else None, f"write the config to {folder}")
 
-        def write_configs():
-            if first:
-                self.config.save_pretrained(folder)
-                if getattr(self, "generation_config", None) is not None and self.can_generate():
-                    self.generation_config.save_pretrained(folder)
+    def _write_state_dict(self, folder, state_dict: dict, max_shard_size: int | str) -> Path:
+        from linnet.hf.write import write_hf_checkpoint
 
-        together(write_configs, f"write the config to {folder}")
+        engine = self._linnet_engine
+        shapes = {spec.checkpoint_name: spec.shape for spec in engine.specs()}
+        missing = [name for name in shapes if name not in state_dict]
+        if missing:
+            raise UserError(f"save_pretrained was given a state dict without {missing[0]} ({len(missing)} of the "
+                            f"model's {len(shapes)} weights missing): give the full state dict, or none")
+        wrong = [name for name, shape in shapes.items() if tuple(state_dict[name].shape) != tuple(shape)]
+        if wrong:
+            raise UserError(f"save_pretrained was given {wrong[0]} of shape {tuple(state_dict[wrong[0]].shape)}, not "
+                            f"the full weight's {tuple(shapes[wrong[0]])}: give the full state dict "
+                            "(get_model_state_dict with full_state_dict=True)")
+        tensors = ((name, state_dict[name]) for name in shapes)
+        return write_hf_checkpoint(engine.card, shapes, tensors, Path(folder), self._linnet_saved_dtype,
+                                   max_shard_size=max_shard_size)
+
+    def _write_configs(self, folder) -> None:
+        """The model's own config.json and generation config, over the card's."""
+        self.config.save_pretrained(folder)
+        if getattr(self, "generation_config", None) is not None and self.can_generate():
+            self.generation_config.save_pretrained(folder)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """FSDP2's switch for gradient accumulation. Accepted: the gradients are reduce-scattered at every

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from linnet.emit.fused_linears import runs_by_group
-from linnet.hf.read import CheckpointWeights, RandomWeights, SliceReader, group_specs
+from linnet.hf.read import (CheckpointWeights, RandomWeights, SliceReader, check_checkpoint, checkpoint_files,
+                            group_specs, locate)
 from linnet.sharding.layout import GroupLayout, group_layouts
 from linnet.sharding.schedule import Schedule
 from linnet.torch import agree, ops, watchdog
@@ -194,7 +195,7 @@ def _shard_module(model, *, group, mesh, recompute, reshard_after_forward, prefe
                   stall_timeout, weights, compile, numerics):
     """fully_shard of a transformers causal LM (linnet/torch/causal_lm.py): its engine sharded as any loaded
     model, then the model made to compute with it, its parameters the engine's parts."""
-    from torch.distributed.tensor import DeviceMesh, Shard
+    from torch.distributed.tensor import DeviceMesh, Replicate, Shard
 
     from linnet.torch import causal_lm
 
@@ -207,18 +208,19 @@ def _shard_module(model, *, group, mesh, recompute, reshard_after_forward, prefe
         raise RuntimeError("fully_shard needs a process group: call torch.distributed.init_process_group first "
                            "(under torchrun, or with world_size=1 for one process)")
     shard_group, replicate, _ = _groups(group, mesh)
-    if replicate is not None:
-        raise ValueError("a transformers model is sharded over a 1-D mesh or group for now: for hybrid sharding "
-                         "across machines, nest.load the model's folder and fully_shard that")
     if recompute is None:
         recompute = "full" if causal_lm.gradient_checkpointing(model) else "gather"
     device = causal_lm.group_device(shard_group, model)
     engine = causal_lm.engine_of(model, param_dtype=param_dtype, device=device, weights=weights, compile=compile,
                                  numerics=numerics)
-    fully_shard(engine, group=shard_group, recompute=recompute, reshard_after_forward=reshard_after_forward,
+    fully_shard(engine, group=group, mesh=mesh, recompute=recompute, reshard_after_forward=reshard_after_forward,
                 prefetch=prefetch, reduce_dtype=reduce_dtype or engine.compute_dtype, stall_timeout=stall_timeout)
-    device_mesh = mesh if mesh is not None else DeviceMesh.from_group(shard_group, device.type)
-    return causal_lm.sharded_in_place(model, engine, device_mesh, (Shard(0),))
+    if mesh is None:
+        mesh = DeviceMesh.from_group(shard_group, device.type)
+    # A 2-D mesh's parts: the same on each replica (the late parts averaged across them by their hooks,
+    # linnet/torch/hybrid.py), sharded inside each "shard" group.
+    placements = (Shard(0),) if replicate is None else (Replicate(), Shard(0))
+    return causal_lm.sharded_in_place(model, engine, mesh, placements)
 
 
 def _groups(group: dist.ProcessGroup | None,
@@ -295,11 +297,29 @@ def _parts_from_source(model: TorchModel, layouts: dict, rank: int, world: int) 
             part = _part_of({spec.name: draw(spec, source.std) for spec in specs}, layout, rank, world, model.trainable,
                            model.device)
         else:
-            start = rank * layout.part_size
-            flat = reader.read_flat(specs, layout.offsets, start, start + layout.part_size)
-            part = torch.nn.Parameter(flat.to(model.device), requires_grad=model.trainable)
+            part = torch.nn.Parameter(_read_part(reader, specs, layout, rank).to(model.device),
+                                      requires_grad=model.trainable)
         if index is None:
             parts[decl.key] = part
         else:
             parts.setdefault(decl.key, []).append(part)
     return parts
+
+
+def _read_part(reader: SliceReader, specs, layout: GroupLayout, rank: int) -> torch.Tensor:
+    """This rank's part of one group, in f32 on the CPU, from the checkpoint's rows that cover it."""
+    start = rank * layout.part_size
+    return reader.read_flat(specs, layout.offsets, start, start + layout.part_size)
+
+
+def read_parts_into(model: TorchModel, source) -> None:
+    """Overwrites a sharded model's parts, in place, with this rank's parts of the weights in `source` (a
+    model folder or its SafeTensors; checked against the card's names and shapes first), one group at a
+    time: what resuming a run from a folder of full weights reads."""
+    files = checkpoint_files(locate(source))
+    check_checkpoint(model.checked, files)
+    reader, sharding = SliceReader(files), model.sharding
+    with torch.no_grad():
+        for decl, index, specs in group_specs(model.checked, model.specs()):
+            part = model.params[decl.key] if index is None else model.params[decl.key][index]
+            part.copy_(_read_part(reader, specs, sharding.layouts[decl.name], sharding.rank))

@@ -11,22 +11,25 @@
 The model already shares its gradients out (each backward reduce-scatters them into the ranks' parts), so
 the trainer must not wrap it again: accelerate would wrap it in DistributedDataParallel wherever it is not
 configured for FSDP2 (on CPUs always: accelerate runs FSDP only on accelerators). Where accelerate is
-configured for FSDP2 it passes the model through as it is (the model presents itself as an FSDPModule), but
-the plain Trainer's FSDP save then hands save_pretrained a state dict on the first rank alone, which the
-sharded model refuses: the trainers here save from every rank instead (not yet run on GPUs).
+configured for FSDP2 it passes the model through as it is (the model presents itself as an FSDPModule), and
+the plain Trainer's FSDP save gathers a full state dict on every rank and has the first write it; the
+trainers here save from every rank instead, one group gathered at a time.
 
 `ShardedTrainerMixin` adapts any Trainer subclass:
 - the model is prepared as it is, never wrapped;
 - `save_model` writes the folder from every rank (each group is gathered in turn; the first rank
   writes), with the tokenizer or processor beside it;
-- a checkpoint keeps each rank's optimizer state in a file of its own, so nothing is lost; resuming a
-  Trainer run from one is refused (not supported yet), naming the way to start again from its weights."""
+- a checkpoint keeps each rank's optimizer state (its parts' moments) in a file of its own; resuming from
+  one (`train(resume_from_checkpoint=...)`) reads this rank's parts of the saved weights and its own
+  optimizer state, on as many processes as saved it."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from linnet.errors import UserError
 from linnet.torch.causal_lm import ShardedCausalLM
@@ -55,12 +58,10 @@ class ShardedTrainerMixin:
         if not isinstance(model, ShardedCausalLM):  # its parts stay where fully_shard put them
             super()._move_model_to_device(model, device)
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint:
-            raise UserError(f"resuming a Trainer run of a model sharded by Linnet is not supported yet "
-                            f"({resume_from_checkpoint}): start a new run from the checkpoint's weights, "
-                            "AutoModelForCausalLM.from_pretrained(CHECKPOINT) and fully_shard")
-        return super().train(None, *args, **kwargs)
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not isinstance(self.model, ShardedCausalLM):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self.model.load_weights(resume_from_checkpoint)  # every rank: this rank's parts of the saved weights
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not isinstance(self.model, ShardedCausalLM):
@@ -75,13 +76,62 @@ class ShardedTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not isinstance(self.model, ShardedCausalLM):
             return super()._save_optimizer_and_scheduler(output_dir)
-        import torch
-
-        rank, world = dist.get_rank(), dist.get_world_size()
         os.makedirs(output_dir, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, f"optimizer-rank{rank}-of-{world}.pt"))
+        torch.save(local_state(self.optimizer.state_dict()), os.path.join(output_dir, optimizer_file()))
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not isinstance(self.model, ShardedCausalLM):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from linnet.torch.agree import together
+
+        def read() -> tuple[dict, dict]:
+            path = os.path.join(checkpoint, optimizer_file())
+            if not os.path.isfile(path):
+                saved = sorted(name for name in os.listdir(checkpoint) if name.startswith("optimizer-rank"))
+                raise UserError(f"{checkpoint} holds no optimizer state for rank {dist.get_rank()} of "
+                                f"{dist.get_world_size()} (it holds {', '.join(saved) or 'none'}): resume on as many "
+                                "processes as saved it, or start a new run from its weights")
+            return (torch.load(path, map_location="cpu", weights_only=True),
+                    torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+
+        optimizer_state, scheduler_state = together(read, f"read the optimizer state of {checkpoint}")
+        self.optimizer.load_state_dict(sharded_state(self.optimizer, optimizer_state))
+        self.lr_scheduler.load_state_dict(scheduler_state)
+
+
+SCHEDULER_FILE = "scheduler.pt"  # transformers' name
+
+
+def optimizer_file() -> str:
+    """This rank's optimizer state in a Trainer checkpoint: its parts' moments alone."""
+    return f"optimizer-rank{dist.get_rank()}-of-{dist.get_world_size()}.pt"
+
+
+def local_state(state_dict: dict) -> dict:
+    """An optimizer's state dict with each DTensor as this rank's local tensor (what torch.load reads back
+    with weights_only=True, without the mesh)."""
+    def local(value):
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    return {**state_dict, "state": {index: {name: local(value) for name, value in state.items()}
+                                    for index, state in state_dict["state"].items()}}
+
+
+def sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """`local_state`'s inverse for `optimizer`: each state tensor shaped as its parameter's local part becomes a
+    DTensor laid out as the parameter (a step count stays as it is)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+
+    def placed(param, value):
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
+            return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                                      shape=param.shape, stride=param.stride())
+        return value
+
+    return {**state_dict, "state": {index: {name: placed(params[int(index)], value) for name, value in state.items()}
+                                    for index, state in state_dict["state"].items()}}
 
 
 def __getattr__(name: str):
