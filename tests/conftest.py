@@ -16,6 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One compute thread a process (set before torch is first imported), as torchrun gives its workers: the tests
+# run many processes at once (two pytest workers, each with its ranks), and more threads than cores wait on
+# each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # XLA's compiles kept on disk for this run (a new folder each run, so nothing is reused from an older one):
 # the tests compile many identical steps, each a quarter faster to find again than to compile.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="linnet-tests-xla-"))

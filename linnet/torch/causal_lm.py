@@ -3,7 +3,7 @@
     model = AutoModelForCausalLM.from_pretrained(folder)      # or from_config, on the CPU, a GPU or meta
     for layer in model.model.layers:
         fully_shard(layer)                                     # accepted: the root call shards every layer
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # 1-D or 2-D mesh
     loss = model(input_ids=..., labels=..., position_ids=...).loss
 
 The root call makes a card of the model's config (its family from `model_type`, as for a model folder),
@@ -18,7 +18,8 @@ transformers model then keeps its class's API, its forward computed by the engin
 - `parameters()` are this rank's parts as DTensors (linnet/torch/dtensor_parts.py), so that any optimizer
   steps them and `clip_grad_norm_` takes the global norm, as under FSDP2.
 - `state_dict()` and `save_pretrained()` give the full weights under transformers' names; every rank calls
-  them (they gather one group at a time).
+  them (they gather one group at a time). `load_weights(folder)` reads this rank's parts back in place.
+- `generate()` runs on every rank together, without a key-value cache.
 
 What the engine does not compute is refused by name before anything changes: a family Linnet lacks, a
 config value its family refuses (a sliding window), PEFT adapters, a model FSDP already shards."""
@@ -230,7 +231,7 @@ class ShardedCausalLM:
         weights of a folder that save_pretrained or from_pretrained's checkpoint holds, read a group at a
         time: only the rows of this rank's parts. Every rank calls it; the names and shapes are checked first."""
         from linnet.torch.agree import together
-        from linnet.torch.shard import read_parts_into
+        from linnet.torch.read_parts import read_parts_into
 
         together(lambda: read_parts_into(self._linnet_engine, folder), f"read the weights of {folder}")
 

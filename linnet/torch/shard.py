@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from linnet.emit.fused_linears import runs_by_group
-from linnet.hf.read import (CheckpointWeights, RandomWeights, SliceReader, check_checkpoint, checkpoint_files,
-                            group_specs, locate)
+from linnet.hf.read import CheckpointWeights, RandomWeights, SliceReader, group_specs
 from linnet.sharding.layout import GroupLayout, group_layouts
 from linnet.sharding.schedule import Schedule
 from linnet.torch import agree, ops, watchdog
 from linnet.torch.collectives import Sharding, bindings, gathered_weights
 from linnet.torch.hybrid import LateParts
 from linnet.torch.model import TorchModel
+from linnet.torch.read_parts import read_part
 from linnet.torch.recompute import POLICIES
 
 __all__ = ["ALIGN", "Sharding", "fully_shard", "gathered_weights"]
@@ -297,7 +297,7 @@ def _parts_from_source(model: TorchModel, layouts: dict, rank: int, world: int) 
             part = _part_of({spec.name: draw(spec, source.std) for spec in specs}, layout, rank, world, model.trainable,
                            model.device)
         else:
-            part = torch.nn.Parameter(_read_part(reader, specs, layout, rank).to(model.device),
+            part = torch.nn.Parameter(read_part(reader, specs, layout, rank).to(model.device),
                                       requires_grad=model.trainable)
         if index is None:
             parts[decl.key] = part
@@ -305,21 +305,3 @@ def _parts_from_source(model: TorchModel, layouts: dict, rank: int, world: int) 
             parts.setdefault(decl.key, []).append(part)
     return parts
 
-
-def _read_part(reader: SliceReader, specs, layout: GroupLayout, rank: int) -> torch.Tensor:
-    """This rank's part of one group, in f32 on the CPU, from the checkpoint's rows that cover it."""
-    start = rank * layout.part_size
-    return reader.read_flat(specs, layout.offsets, start, start + layout.part_size)
-
-
-def read_parts_into(model: TorchModel, source) -> None:
-    """Overwrites a sharded model's parts, in place, with this rank's parts of the weights in `source` (a
-    model folder or its SafeTensors; checked against the card's names and shapes first), one group at a
-    time: what resuming a run from a folder of full weights reads."""
-    files = checkpoint_files(locate(source))
-    check_checkpoint(model.checked, files)
-    reader, sharding = SliceReader(files), model.sharding
-    with torch.no_grad():
-        for decl, index, specs in group_specs(model.checked, model.specs()):
-            part = model.params[decl.key] if index is None else model.params[decl.key][index]
-            part.copy_(_read_part(reader, specs, sharding.layouts[decl.name], sharding.rank))
