@@ -299,10 +299,10 @@ def test_gradient_checkpointing_is_the_full_recompute_policy():
 
 def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
     """tests/trl_driver.py over 2 Gloo processes, as TRL runs on CPUs (DistributedDataParallel) and on a model
-    sharded by Linnet: the logged loss, gradient norm, entropy and token accuracy of each step, and the saved
-    weights. TRL's defaults hold: its fused LM head's outputs, and gradient checkpointing. Then the Linnet run
-    resumed from its checkpoint at step 2, started by `accelerate launch`: the same steps 3 and 4, the same
-    weights."""
+    sharded by Linnet, on packed rows (TRL's padding-free collator): the logged loss, gradient norm, entropy and
+    token accuracy of each step, and the saved weights. TRL's defaults hold: its fused LM head's outputs, and
+    gradient checkpointing. Then the Linnet run resumed from its checkpoint at step 2, started by `accelerate
+    launch` from other weights: the same steps 3 and 4, the same weights."""
     import json
     import os
     import subprocess

@@ -36,12 +36,13 @@ if mode == "linnet":
 else:
     from trl import SFTTrainer
 
-# TRL's defaults but for the run's length, a CPU, no saving on the way, f32 (TRL's bf16 default is an autocast
-# around the forward, which Linnet leaves outside: its compute dtype is fully_shard's mp_policy), and AdamW's eps
-# raised from 1e-8 (there an element whose gradient is rounding moves a full step either way: tests/test_drop_in.py)
+# TRL's defaults but for the run's length, packed rows (packing=True: padding-free, the documents told apart by
+# position_ids), a CPU, f32 (TRL's bf16 default is an autocast around the forward, which Linnet leaves outside: its
+# compute dtype is fully_shard's mp_policy), and AdamW's eps raised from 1e-8 (there an element whose gradient is
+# rounding moves a full step either way: tests/test_drop_in.py)
 args = SFTConfig(output_dir=str(out / "run"), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
                  adam_epsilon=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0, max_length=48, bf16=False,
-                 save_strategy="steps" if mode == "linnet" else "no", save_steps=2)
+                 packing=True, save_strategy="steps" if mode == "linnet" else "no", save_steps=2)
 trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
 trainer.train(resume_from_checkpoint=resume_from)
 trainer.save_model(str(out / "final"))

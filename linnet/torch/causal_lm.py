@@ -157,13 +157,20 @@ class ShardedCausalLM:
     def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                  inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
                  return_dict=None, cache_position=None, logits_to_keep=0, num_items_in_batch=None,
-                 fused_lm_head: bool = False, shift_labels=None, **kwargs):
+                 fused_lm_head: bool = False, shift_labels=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                 max_length_q=None, max_length_k=None, seq_idx=None, **kwargs):
         """transformers' forward of a causal LM: `.loss` of `labels` (shifted; or `shift_labels`, already
-        shifted), or `.logits` without them (the last `logits_to_keep` positions' where not 0); with
+        shifted), or `.logits` without them (the last `logits_to_keep` positions' where not 0); the documents
+        of a packed row from position_ids (cu_seq_lens_* and the like, as TRL's padding-free collator gives
+        them beside position_ids, are taken and not read); with
         fused_lm_head=True, TRL's FusedCausalLMOutput (each next
         token's log-probability, the distribution's entropy, whether the label is the likeliest token)."""
 
-        refused = {"inputs_embeds": inputs_embeds is not None, "past_key_values": past_key_values is not None,
+        # TRL's padding-free collator gives the documents' bounds for flash attention's kernels beside
+        # position_ids, which say the same: the engine reads position_ids.
+        bounds = (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx)
+        refused = {"cu_seq_lens_q without position_ids": position_ids is None and any(b is not None for b in bounds),
+                   "inputs_embeds": inputs_embeds is not None, "past_key_values": past_key_values is not None,
                    "output_attentions": bool(output_attentions), "output_hidden_states": bool(output_hidden_states),
                    "logits_to_keep": not isinstance(logits_to_keep, int), **{key: True for key in kwargs}}
         if any(refused.values()):
