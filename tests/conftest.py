@@ -66,6 +66,7 @@ SLOW = (
     "test_fully_shard.py::test_the_matmuls_policy_keeps_products_and_recomputes_the_rest[[]1]",
     "test_fully_shard.py::test_compiled_the_matmuls_policy_recomputes_no_product",
     "test_fully_shard.py::test_compiled_and_other_recompute_policies_equal_eager_gather[[]inductor-matmuls]",
+    "test_drop_in.py::test_compiled_batches_of_other_lengths_compile_once_more_and_train_as_transformers",
     "test_fully_shard.py::test_prefetch_depths_train_alike_when_compiled[[]3]",
     "test_fully_shard.py::test_prefetched_training_at_world_4_equals_single_process",
     "test_fully_shard.py::test_a_layer_compiled_once_trains_as_single_process[[]1-matmuls]",

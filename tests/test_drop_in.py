@@ -341,3 +341,39 @@ def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
         assert entry == pytest.approx(step, rel=1e-6)
     for name, tensor in weights.items():
         assert torch.equal(resumed_weights[name], tensor), name
+
+
+def compiled_lengths(rank: int, world: int, lengths: list) -> tuple[list, int]:
+    """(loss, gradient norm) at each length, compiled by inductor, and how many graphs dynamo made."""
+    import torch._dynamo.utils
+
+    from linnet.torch import fully_shard
+
+    torch._dynamo.reset()  # (a pooled rank may have compiled before)
+    torch._dynamo.utils.counters.clear()
+    model = fully_shard(case_model("llama", True), compile="inductor")
+    results = []
+    for length in lengths:
+        ids = torch.randint(1, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((float(loss), float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor())))
+        model.zero_grad()
+    return results, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_batches_of_other_lengths_compile_once_more_and_train_as_transformers():
+    """A Trainer's batches vary in length: compiled, the second length makes the length dynamic (dynamo's
+    automatic dynamic shapes), and every later length runs that graph; each loss and gradient norm is
+    transformers' own."""
+    lengths = [20, 24, 33, 47]
+    results, graphs = run(compiled_lengths, 1, lengths, timeout=600)[0]
+    assert graphs == 2
+    alone = case_model("llama", True)
+    for length, (loss, norm) in zip(lengths, results):
+        ids = torch.randint(1, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        expected = alone(input_ids=ids, labels=ids).loss
+        expected.backward()
+        expected_norm = float(torch.nn.utils.clip_grad_norm_(alone.parameters(), 1e9))
+        alone.zero_grad()
+        assert (loss, norm) == pytest.approx((float(expected), expected_norm), rel=1e-5), length
