@@ -135,6 +135,7 @@ def rest_of_the_api(rank: int, world: int, folder: str) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from linnet.errors import UserError
     from linnet.torch import fully_shard
 
     out = {}
@@ -157,13 +158,27 @@ def rest_of_the_api(rank: int, world: int, folder: str) -> dict:
     full = model.state_dict()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     gathered = get_model_state_dict(model, options=options)  # every rank; the first keeps it
+    model.save_pretrained(f"{folder}-given", state_dict=gathered, is_main_process=rank == 0)  # accelerate's save
+    model.save_pretrained(f"{folder}-bf16", dtype=torch.bfloat16)
+    try:
+        model.save_pretrained(f"{folder}-parts", state_dict={"model.norm.weight": next(model.parameters())})
+    except UserError as error:
+        out["dtensor refused"] = str(error)
     if rank == 0:
         assert gathered.keys() == full.keys() and all(torch.equal(gathered[name], full[name]) for name in full)
-        model.save_pretrained(f"{folder}-given", state_dict=gathered)  # the plain Trainer's FSDP save: one rank
+        in_bf16 = AutoModelForCausalLM.from_pretrained(f"{folder}-bf16", dtype="auto")
+        out["bf16 saved"] = (in_bf16.dtype, all(torch.equal(tensor, full[name].bfloat16())
+                                                for name, tensor in in_bf16.state_dict().items()))
         for saved in (folder, f"{folder}-given"):
             loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
             out[f"equal {saved}"] = loaded.keys() == full.keys() and all(torch.equal(loaded[k], full[k]) for k in full)
     out["loss_after"] = float(model(**batch(2, rank), use_cache=False).loss)
+    # what transformers' Trainer does to every FSDPModule under accelerate's FSDP2: reshard(), and generate()
+    # wrapped in FSDP2's forward hooks
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model.reshard()
+    register_fsdp_forward_method(model, "generate")
     prompts = torch.randint(1, VOCAB, (2, 5 + rank), generator=torch.Generator().manual_seed(rank))
     mask = torch.ones_like(prompts)
     mask[1, :2] = 0  # left padding, as generation pads
@@ -196,6 +211,9 @@ def test_mixed_precision_accumulation_saving_and_the_meta_device(tmp_path):
     assert [r["accumulated_norm"] for r in results] == pytest.approx([expected_norm] * 2, rel=1e-5)
     saved = str(tmp_path / "saved")
     assert results[0][f"equal {saved}"] and results[0][f"equal {saved}-given"]
+    assert results[0]["bf16 saved"] == (torch.bfloat16, True)
+    for result in results:
+        assert "model.norm.weight as a DTensor" in result["dtensor refused"]
     for result in results:
         assert result["meta_loss"] == result["reloaded_loss"] == result["loss_after"]  # the same weights, read back
     # generate(), each rank its own prompts (one rank's sequences may end first), against transformers' own with

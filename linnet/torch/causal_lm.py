@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from linnet.cardlang.generics import bind_generics
 from linnet.cards import config_card, huggingface
@@ -116,43 +117,70 @@ def sharded_in_place(model: torch.nn.Module, engine: TorchModel, mesh, placement
     return model
 
 
-class _Forward:
-    """ShardedCausalLM.forward: on the class, `_forward` (what transformers' Trainer inspects); on a model,
-    `_forward` bound, or what was installed over it (a wrapper such as accelerate's autocast), as on any
-    module. TRL's fused LM head (trl.trainer.utils.add_fused_lm_head) is not installed: it would read the
-    head's weight, which the engine holds in parts; `_forward` computes the same outputs with
-    fused_lm_head=True."""
+class _Guarded:
+    """A method of ShardedCausalLM that a model's own assignment replaces, as on any module (a wrapper such
+    as accelerate's autocast around the forward), but for the wrappers `skipped` recognises, each of which
+    would reach into weights the engine holds in parts. On the class it is `implementation` (what
+    transformers' Trainer inspects for the forward's arguments)."""
+
+    def __init__(self, implementation: str, skipped):
+        self.implementation, self.skipped = implementation, skipped
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.installed = f"_linnet_installed_{name}"
 
     def __get__(self, model, owner=None):
         if model is None:
-            return owner._forward
-        return model.__dict__.get("_linnet_installed_forward") or model._forward
+            return getattr(owner, self.implementation)
+        return model.__dict__.get(self.installed) or getattr(model, self.implementation)
 
     def __set__(self, model, function) -> None:
-        code = getattr(getattr(function, "__func__", function), "__code__", None)
-        if code is not None and code.co_name == "_fused_forward":
-            return
-        model.__dict__["_linnet_installed_forward"] = function
+        if not self.skipped(function):
+            model.__dict__[self.installed] = function
 
     def __delete__(self, model) -> None:
-        model.__dict__.pop("_linnet_installed_forward", None)
+        model.__dict__.pop(self.installed, None)
+
+
+def _code(function):
+    return getattr(getattr(function, "__func__", function), "__code__", None)
+
+
+def _trls_fused_lm_head(function) -> bool:
+    """TRL's fused LM head (trl.trainer.utils.add_fused_lm_head): it reads the head's weight; the engine
+    computes the same outputs with fused_lm_head=True."""
+    code = _code(function)
+    return code is not None and code.co_name == "_fused_forward"
+
+
+def _fsdp2_forward_hooks(function) -> bool:
+    """FSDP2's register_fsdp_forward_method wrapper (transformers' Trainer puts it around generate under
+    accelerate's FSDP2): it unshards through FSDP2's state, which the engine does not keep; the engine
+    gathers each layer's weights where it uses them."""
+    code = _code(function)
+    return code is not None and code.co_name == "wrapped_method" and "fsdp" in code.co_filename
 
 
 class ShardedCausalLM:
     """What a transformers causal LM becomes once sharded (mixed in before its own class)."""
 
-    forward = _Forward()
+    forward = _Guarded("_forward", _trls_fused_lm_head)
+    generate = _Guarded("_generate", _fsdp2_forward_hooks)
     # transformers' mark of a module FSDP2 shards: its generate() then keeps every rank calling the forward
     # until every rank's sequences are done (synced_gpus), as the collectives inside need.
     _is_fsdp_managed_module = True
 
-    def generate(self, *args, use_cache: bool | None = None, **kwargs):
+    def _generate(self, *args, use_cache: bool | None = None, synced_gpus: bool | None = None, **kwargs):
         """transformers' generate(), every rank together, without a key-value cache: each new token's forward
-        computes the whole sequence so far (the engine computes loss and logits, and keeps no cache)."""
+        computes the whole sequence so far (the engine computes loss and logits, and keeps no cache; a
+        generation config's use_cache is overridden)."""
         if use_cache:
             raise UserError("a model sharded by Linnet generates without a key-value cache: leave use_cache out "
                             "of generate()")
-        return super().generate(*args, use_cache=False, **kwargs)
+        if synced_gpus is False and dist.get_world_size(self._linnet_engine.sharding.group_name) > 1:
+            raise UserError("a model sharded by Linnet generates with every rank calling its forward until every "
+                            "rank's sequences are done: leave synced_gpus out of generate()")
+        return super().generate(*args, use_cache=False, synced_gpus=synced_gpus, **kwargs)
 
     def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                  inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
@@ -169,7 +197,8 @@ class ShardedCausalLM:
         # TRL's padding-free collator gives the documents' bounds for flash attention's kernels beside
         # position_ids, which say the same: the engine reads position_ids.
         bounds = (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx)
-        refused = {"cu_seq_lens_q without position_ids": position_ids is None and any(b is not None for b in bounds),
+        refused = {"flash attention's bounds (cu_seq_lens_*, max_length_*, seq_idx) without position_ids":
+                   position_ids is None and any(b is not None for b in bounds),
                    "inputs_embeds": inputs_embeds is not None, "past_key_values": past_key_values is not None,
                    "output_attentions": bool(output_attentions), "output_hidden_states": bool(output_hidden_states),
                    "logits_to_keep": not isinstance(logits_to_keep, int), **{key: True for key in kwargs}}
@@ -243,9 +272,11 @@ class ShardedCausalLM:
         together(lambda: read_parts_into(self._linnet_engine, folder), f"read the weights of {folder}")
 
     def save_pretrained(self, save_directory, *, is_main_process: bool = True, state_dict=None,
-                        max_shard_size: int | str = "5GB", safe_serialization: bool = True, **kwargs):
-        """A folder that `from_pretrained` loads: SafeTensors in the dtype the model's parameters had, written
-        once from the parts (one group gathered at a time), with the model's own config.json and generation
+                        max_shard_size: int | str = "5GB", safe_serialization: bool = True,
+                        dtype: torch.dtype | None = None, **kwargs):
+        """A folder that `from_pretrained` loads: SafeTensors in `dtype` (default: the dtype the model's
+        parameters had; float32 keeps the parts exactly, as a checkpoint to resume from must), written once
+        from the parts (one group gathered at a time), with the model's own config.json and generation
         config. Every rank must call it, whatever `is_main_process` says.
 
         state_dict: full weights under transformers' names, gathered already (as `get_model_state_dict(...,
@@ -255,20 +286,26 @@ class ShardedCausalLM:
             raise UserError("a model sharded by Linnet saves SafeTensors: call save_pretrained without "
                             "safe_serialization=False")
         if state_dict is not None:
-            self._write_configs(self._write_state_dict(save_directory, state_dict, max_shard_size))
+            if is_main_process:  # (the other ranks were given nothing to write)
+                self._write_configs(self._write_state_dict(save_directory, state_dict, max_shard_size, dtype), dtype)
             return
         from linnet.torch.agree import together
 
         engine = self._linnet_engine
-        folder = engine.save_weights(save_directory, dtype=self._linnet_saved_dtype, max_shard_size=max_shard_size)
+        folder = engine.save_weights(save_directory, dtype=dtype or self._linnet_saved_dtype,
+                                     max_shard_size=max_shard_size)
         first = engine.sharding.rank == 0 and engine.sharding.replica == 0
-        together(lambda: self._write_configs(folder) if first else None, f"write the config to {folder}")
+        together(lambda: self._write_configs(folder, dtype) if first else None, f"write the config to {folder}")
 
-    def _write_state_dict(self, folder, state_dict: dict, max_shard_size: int | str) -> Path:
+    def _write_state_dict(self, folder, state_dict: dict, max_shard_size: int | str, dtype) -> Path:
         from linnet.hf.write import write_hf_checkpoint
 
         engine = self._linnet_engine
         shapes = {spec.checkpoint_name: spec.shape for spec in engine.specs()}
+        sharded = next((name for name, value in state_dict.items() if isinstance(value, DTensor)), None)
+        if sharded is not None:
+            raise UserError(f"save_pretrained was given {sharded} as a DTensor (one rank's part): give the full "
+                            "state dict (get_model_state_dict with full_state_dict=True), or none")
         missing = [name for name in shapes if name not in state_dict]
         if missing:
             raise UserError(f"save_pretrained was given a state dict without {missing[0]} ({len(missing)} of the "
@@ -279,12 +316,18 @@ class ShardedCausalLM:
                             f"the full weight's {tuple(shapes[wrong[0]])}: give the full state dict "
                             "(get_model_state_dict with full_state_dict=True)")
         tensors = ((name, state_dict[name]) for name in shapes)
-        return write_hf_checkpoint(engine.card, shapes, tensors, Path(folder), self._linnet_saved_dtype,
+        return write_hf_checkpoint(engine.card, shapes, tensors, Path(folder), dtype or self._linnet_saved_dtype,
                                    max_shard_size=max_shard_size)
 
-    def _write_configs(self, folder) -> None:
-        """The model's own config.json and generation config, over the card's."""
+    def _write_configs(self, folder, dtype: torch.dtype | None = None) -> None:
+        """The model's own config.json (saying the dtype the weights were written in) and generation config,
+        over the card's."""
         self.config.save_pretrained(folder)
+        path = Path(folder) / "config.json"
+        config = json.loads(path.read_text())
+        for key in {"dtype", "torch_dtype"} & {"dtype", *config}:
+            config[key] = str(dtype or self._linnet_saved_dtype).removeprefix("torch.")  # transformers' name
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if getattr(self, "generation_config", None) is not None and self.can_generate():
             self.generation_config.save_pretrained(folder)
 
@@ -316,6 +359,10 @@ class ShardedCausalLM:
         return self._linnet_engine.sharding.recompute == "full"
 
     is_gradient_checkpointing = is_activation_checkpointing
+
+    def reshard(self) -> None:
+        """FSDP2's: frees the weights an unshard gathered. The engine holds no layer's weights gathered outside
+        its forward and backward (transformers' Trainer calls this on every FSDPModule before training)."""
 
     def _get_fsdp_state(self):
         raise UserError(f"{type(self).__name__} is sharded by Linnet, not by FSDP2: FSDP2's controls of a module "

@@ -19,9 +19,10 @@ trainers here save from every rank instead, one group gathered at a time.
 - the model is prepared as it is, never wrapped;
 - `save_model` writes the folder from every rank (each group is gathered in turn; the first rank
   writes), with the tokenizer or processor beside it;
-- a checkpoint keeps each rank's optimizer state (its parts' moments) in a file of its own; resuming from
-  one (`train(resume_from_checkpoint=...)`) reads this rank's parts of the saved weights and its own
-  optimizer state, on as many processes as saved it."""
+- a checkpoint holds the weights in f32 (the parts as they are) and each rank's optimizer state (its parts'
+  moments) in a file of its own; resuming from one (`train(resume_from_checkpoint=...)`) reads this rank's
+  parts of the saved weights and its own optimizer state, over the mesh that saved it;
+- `load_best_model_at_end` reads the best checkpoint's weights into the parts."""
 
 from __future__ import annotations
 
@@ -63,11 +64,18 @@ class ShardedTrainerMixin:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         self.model.load_weights(resume_from_checkpoint)  # every rank: this rank's parts of the saved weights
 
+    def _load_best_model(self) -> None:
+        if not isinstance(self.model, ShardedCausalLM):
+            return super()._load_best_model()
+        self.model.load_weights(self.state.best_model_checkpoint)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not isinstance(self.model, ShardedCausalLM):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        self.model.save_pretrained(output_dir)  # every rank: the groups are gathered in turn
+        # every rank: the groups are gathered in turn; a checkpoint (an internal call) in f32, the parts as they
+        # are, so that a run resumed from it takes up exactly where this one is
+        self.model.save_pretrained(output_dir, dtype=torch.float32 if _internal_call else None)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         if self.args.should_save:
@@ -86,18 +94,21 @@ class ShardedTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         from linnet.torch.agree import together
 
+        saved = sorted(name for name in os.listdir(checkpoint) if name.startswith("optimizer-rank"))
+        if not saved:  # (save_only_model=True): the weights alone, as transformers resumes from them
+            return
+
         def read() -> tuple[dict, dict]:
             path = os.path.join(checkpoint, optimizer_file())
             if not os.path.isfile(path):
-                saved = sorted(name for name in os.listdir(checkpoint) if name.startswith("optimizer-rank"))
                 raise UserError(f"{checkpoint} holds no optimizer state for rank {dist.get_rank()} of "
-                                f"{dist.get_world_size()} (it holds {', '.join(saved) or 'none'}): resume on as many "
-                                "processes as saved it, or start a new run from its weights")
-            return (torch.load(path, map_location="cpu", weights_only=True),
-                    torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+                                f"{dist.get_world_size()} (it holds {', '.join(saved)}): resume on as many "
+                                "processes, over the same mesh, as saved it, or start a new run from its weights")
+            optimizer = sharded_state(self.optimizer, torch.load(path, map_location="cpu", weights_only=True), path)
+            return optimizer, torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True)
 
         optimizer_state, scheduler_state = together(read, f"read the optimizer state of {checkpoint}")
-        self.optimizer.load_state_dict(sharded_state(self.optimizer, optimizer_state))
+        self.optimizer.load_state_dict(optimizer_state)
         self.lr_scheduler.load_state_dict(scheduler_state)
 
 
@@ -119,18 +130,25 @@ def local_state(state_dict: dict) -> dict:
                                     for index, state in state_dict["state"].items()}}
 
 
-def sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """`local_state`'s inverse for `optimizer`: each state tensor shaped as its parameter's local part becomes a
-    DTensor laid out as the parameter (a step count stays as it is)."""
+def sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict, path: str) -> dict:
+    """`local_state`'s inverse for `optimizer`: each state tensor of a parameter's local part becomes a DTensor
+    laid out as the parameter (a step count, of no dimension, stays as it is). A tensor of another shape (a
+    state saved over another mesh) is refused, naming `path`."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
 
-    def placed(param, value):
-        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
-            return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                                      shape=param.shape, stride=param.stride())
-        return value
+    def placed(index: int, value):
+        param = params[index]
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        local = param.to_local()
+        if value.shape != local.shape:
+            raise UserError(f"{path}: a state of parameter {index} has shape {tuple(value.shape)}, this "
+                            f"rank's part {tuple(local.shape)}: it was saved over another mesh; resume over the "
+                            "mesh that saved it")
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
 
-    return {**state_dict, "state": {index: {name: placed(params[int(index)], value) for name, value in state.items()}
+    return {**state_dict, "state": {index: {name: placed(int(index), value) for name, value in state.items()}
                                     for index, state in state_dict["state"].items()}}
 
 
