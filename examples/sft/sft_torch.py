@@ -102,7 +102,7 @@ model = nest.load(
     trainable=True,
 )
 # Splits every layer's weights across the processes (of each machine, when hybrid), kept in f32, and
-# compiles the entries to gather each layer's in bf16 where it runs.
+# generates the entries to gather each layer's in bf16 where it runs (compiled by inductor on GPUs).
 fully_shard(model, mesh=torchrun_mesh("cuda" if cuda else "cpu", args.sharding))
 if rank == 0:
     replicas, parts = model.sharding.replicas, model.sharding.world
