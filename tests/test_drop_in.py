@@ -193,6 +193,20 @@ def rest_of_the_api(rank: int, world: int, folder: str) -> dict:
     fully_shard(again)
     again.load_weights(folder)  # into a model sharded already, as resuming a Trainer run does
     out["reloaded_loss"] = float(again(**batch(2, rank), use_cache=False).loss)
+
+    # a model loaded in bf16 keeps f32 parts: saved in f32 (as Trainer checkpoints are), they read back exactly
+    def bf16_model():
+        model = fully_shard(case_model("llama", True).to(torch.bfloat16))
+        model(**batch(0, rank), use_cache=False).loss.backward()
+        return model
+
+    trained = bf16_model()
+    torch.optim.SGD(trained.parameters(), lr=0.1).step()
+    trained.save_pretrained(f"{folder}-f32", dtype=torch.float32)
+    resumed = bf16_model()
+    resumed.load_weights(f"{folder}-f32")
+    out["f32 parts read back"] = all(torch.equal(a.to_local(), b.to_local()) and a.dtype == torch.float32
+                                     for a, b in zip(trained.parameters(), resumed.parameters()))
     return out
 
 
@@ -212,6 +226,7 @@ def test_mixed_precision_accumulation_saving_and_the_meta_device(tmp_path):
     saved = str(tmp_path / "saved")
     assert results[0][f"equal {saved}"] and results[0][f"equal {saved}-given"]
     assert results[0]["bf16 saved"] == (torch.bfloat16, True)
+    assert all(result["f32 parts read back"] for result in results)
     for result in results:
         assert "model.norm.weight as a DTensor" in result["dtensor refused"]
     for result in results:
