@@ -285,6 +285,7 @@ class ShardedCausalLM:
         if not safe_serialization:
             raise UserError("a model sharded by Linnet saves SafeTensors: call save_pretrained without "
                             "safe_serialization=False")
+        dtype = dtype or self._linnet_saved_dtype
         if state_dict is not None:
             if is_main_process:  # (the other ranks were given nothing to write)
                 self._write_configs(self._write_state_dict(save_directory, state_dict, max_shard_size, dtype), dtype)
@@ -292,12 +293,11 @@ class ShardedCausalLM:
         from linnet.torch.agree import together
 
         engine = self._linnet_engine
-        folder = engine.save_weights(save_directory, dtype=dtype or self._linnet_saved_dtype,
-                                     max_shard_size=max_shard_size)
+        folder = engine.save_weights(save_directory, dtype=dtype, max_shard_size=max_shard_size)
         first = engine.sharding.rank == 0 and engine.sharding.replica == 0
         together(lambda: self._write_configs(folder, dtype) if first else None, f"write the config to {folder}")
 
-    def _write_state_dict(self, folder, state_dict: dict, max_shard_size: int | str, dtype) -> Path:
+    def _write_state_dict(self, folder, state_dict: dict, max_shard_size: int | str, dtype: torch.dtype) -> Path:
         from linnet.hf.write import write_hf_checkpoint
 
         engine = self._linnet_engine
@@ -316,17 +316,17 @@ class ShardedCausalLM:
                             f"the full weight's {tuple(shapes[wrong[0]])}: give the full state dict "
                             "(get_model_state_dict with full_state_dict=True)")
         tensors = ((name, state_dict[name]) for name in shapes)
-        return write_hf_checkpoint(engine.card, shapes, tensors, Path(folder), dtype or self._linnet_saved_dtype,
-                                   max_shard_size=max_shard_size)
+        return write_hf_checkpoint(engine.card, shapes, tensors, Path(folder), dtype, max_shard_size=max_shard_size)
 
-    def _write_configs(self, folder, dtype: torch.dtype | None = None) -> None:
+    def _write_configs(self, folder, dtype: torch.dtype) -> None:
         """The model's own config.json (saying the dtype the weights were written in) and generation config,
         over the card's."""
         self.config.save_pretrained(folder)
         path = Path(folder) / "config.json"
         config = json.loads(path.read_text())
-        for key in {"dtype", "torch_dtype"} & {"dtype", *config}:
-            config[key] = str(dtype or self._linnet_saved_dtype).removeprefix("torch.")  # transformers' name
+        config["dtype"] = str(dtype).removeprefix("torch.")  # transformers' name for it
+        if "torch_dtype" in config:  # (its older key)
+            config["torch_dtype"] = config["dtype"]
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if getattr(self, "generation_config", None) is not None and self.can_generate():
             self.generation_config.save_pretrained(folder)

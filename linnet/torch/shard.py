@@ -304,4 +304,3 @@ def _parts_from_source(model: TorchModel, layouts: dict, rank: int, world: int) 
         else:
             parts.setdefault(decl.key, []).append(part)
     return parts
-

@@ -120,14 +120,16 @@ def optimizer_file() -> str:
     return f"optimizer-rank{dist.get_rank()}-of-{dist.get_world_size()}.pt"
 
 
+def _each_state(state_dict: dict, change) -> dict:
+    """An optimizer's state dict with each value of a parameter's state changed: change(parameter index, value)."""
+    return {**state_dict, "state": {index: {name: change(int(index), value) for name, value in state.items()}
+                                    for index, state in state_dict["state"].items()}}
+
+
 def local_state(state_dict: dict) -> dict:
     """An optimizer's state dict with each DTensor as this rank's local tensor (what torch.load reads back
     with weights_only=True, without the mesh)."""
-    def local(value):
-        return value.to_local() if isinstance(value, DTensor) else value
-
-    return {**state_dict, "state": {index: {name: local(value) for name, value in state.items()}
-                                    for index, state in state_dict["state"].items()}}
+    return _each_state(state_dict, lambda _, value: value.to_local() if isinstance(value, DTensor) else value)
 
 
 def sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict, path: str) -> dict:
@@ -148,8 +150,7 @@ def sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict, path: str)
         return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
 
-    return {**state_dict, "state": {index: {name: placed(int(index), value) for name, value in state.items()}
-                                    for index, state in state_dict["state"].items()}}
+    return _each_state(state_dict, placed)
 
 
 def __getattr__(name: str):
