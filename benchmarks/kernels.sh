@@ -27,9 +27,10 @@
 #                                          benchmarks/memory_peak.py
 #   bash benchmarks/kernels.sh profile [1b]   two traced steps ("gather"; or 3b): the kernels by time, and the
 #                                          sources of the Triton ones among them (benchmarks/top_kernels.py)
-#   bash benchmarks/kernels.sh clip [1b 8b-w4]   train's clipping (max_grad_norm=1.0) and accumulation (4 rows a step)
-#                                          against its default, the optimizer stepping in the backward: 1b on one
-#                                          GPU, 8b as rank 0 of a simulated 4 ranks at 360 GB/s (sim_world.py)
+#   bash benchmarks/kernels.sh clip [1b 8b-w4]   train's clipping (max_grad_norm=1.0) and accumulation (4 rows a step,
+#                                          reduce-scattered each row, or held and reduce-scattered once) against its
+#                                          default, the optimizer stepping in the backward: 1b on one GPU, 8b as
+#                                          rank 0 of a simulated 4 ranks at 360 GB/s (sim_world.py)
 # Logs under $OUT (given on the command line, else benchmarks/results/DATE-GPU: benchmarks/stage.sh); each run's
 # RESULT line is printed.
 source "$(dirname "$0")/stage.sh"
@@ -40,11 +41,14 @@ case "${1:-}" in
   clip)  # then the shapes, default both
     shapes=("${@:2}"); [ ${#shapes[@]} -gt 0 ] || shapes=(1b 8b-w4)
     for shape in "${shapes[@]}"; do
-      for mode in default clip clip-accumulate4; do
+      modes=(default clip clip-accumulate4)
+      [ "$shape" = 1b ] || modes+=(clip-accumulate4-held)  # one rank reduce-scatters nothing: nothing to hold
+      for mode in "${modes[@]}"; do
         case $mode in
           default) options=() ;;
           clip) options=(--max-grad-norm 1.0) ;;
           clip-accumulate4) options=(--max-grad-norm 1.0 --accumulate 4) ;;
+          clip-accumulate4-held) options=(--max-grad-norm 1.0 --accumulate 4 --hold-gradients) ;;
         esac
         case $shape in
           1b) run "linnet-1b-$mode" torchrun --nproc_per_node=1 benchmarks/step.py --card llama-3.2-1b --steps 12 \

@@ -36,6 +36,8 @@ parser.add_argument("--step-after", action="store_true", help="the optimizer ste
                     "gradient at once (train(step_in_backward=False)); by default each part steps in the backward")
 parser.add_argument("--accumulate", type=int, default=1, help="rows a rank takes for one optimizer step (train's "
                     "accumulate): the optimizer then steps after the last row's backward")
+parser.add_argument("--hold-gradients", action="store_true", help="with --accumulate, the rows but the last hold "
+                    "their whole gradients, reduce-scattered once a step (train's hold_gradients)")
 parser.add_argument("--max-grad-norm", type=float, default=None, help="clip at this global gradient norm (train's "
                     "max_grad_norm): the optimizer then steps after the backward, once the norm is known")
 parser.add_argument("--mesh", metavar="MACHINESxGPUS", help="hybrid sharding over a (replicate, shard) mesh of that "
@@ -123,7 +125,7 @@ rows = (load_rows(args.rows, rank, world) if args.rows
 whole_gradient = args.accumulate > 1 or args.max_grad_norm is not None  # train then steps after the backward
 history = train(model, iter(rows), optimizer=optimizer, steps=args.steps, on_step=on_step,
                 step_in_backward=not (args.step_after or whole_gradient), accumulate=args.accumulate,
-                max_grad_norm=args.max_grad_norm)
+                max_grad_norm=args.max_grad_norm, hold_gradients=args.hold_gradients)
 if profiler is not None:
     profiler.stop()
     if rank == 0:
@@ -141,7 +143,8 @@ result = dict(card=args.card, world=world, mesh=args.mesh, packed=args.packed, r
               prefetch=args.prefetch,
               reduce_dtype=args.reduce_dtype, compiled=not args.no_compile,
               step_in_backward=not (args.step_after or whole_gradient), accumulate=args.accumulate,
-              max_grad_norm=args.max_grad_norm, row_s=round(step / args.accumulate, 4),
+              max_grad_norm=args.max_grad_norm, hold_gradients=args.hold_gradients,
+              row_s=round(step / args.accumulate, 4),
               params=parameters(model), step_s=round(step, 4), tok_s=round(world * seq * args.accumulate / step),
               tflops_gpu=round(flops_per_token(model, seq) * seq * args.accumulate / step / 1e12, 1),
               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

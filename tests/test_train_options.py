@@ -44,7 +44,7 @@ def load(card):
                      cast_dtype=True, trainable=True, weights="random", seed=0, entry="loss_packed")
 
 
-def sharded_run(rank: int, world: int, card, step_in_backward: bool | None):
+def sharded_run(rank: int, world: int, card, step_in_backward: bool | None, hold_gradients: bool = False):
     from linnet.torch import fully_shard
     from linnet.torch.collectives import gathered_weights
     from linnet.torch.train import train
@@ -53,7 +53,8 @@ def sharded_run(rank: int, world: int, card, step_in_backward: bool | None):
     model = fully_shard(load(card))
     optimizer = torch.optim.AdamW(list(model.parameters()), **OPTIMIZER)
     history = train(model, iter(rows()[rank::world]), optimizer=optimizer, steps=STEPS, accumulate=ACCUMULATE,
-                    max_grad_norm=MAX_NORM, step_in_backward=step_in_backward, on_step=lambda s: None)
+                    max_grad_norm=MAX_NORM, step_in_backward=step_in_backward, hold_gradients=hold_gradients,
+                    on_step=lambda s: None)
     weights = {name: tensor.numpy().copy() for name, tensor in gathered_weights(model, torch.float32)}
     return [s.loss for s in history.steps], [s.grad_norm for s in history.steps], weights
 
@@ -85,9 +86,12 @@ def reference(card):
     return one_batch_run(card)
 
 
-@pytest.mark.parametrize("step_in_backward", [None, False], ids=["default", "step-after"])
-def test_accumulated_clipped_training_equals_one_batch_in_one_process(card, reference, step_in_backward):
-    losses, norms, weights = run(sharded_run, WORLD, card, step_in_backward, timeout=300)[0]
+@pytest.mark.parametrize("step_in_backward, hold_gradients", [(None, False), (False, False), (None, True)],
+                         ids=["default", "step-after", "held"])
+def test_accumulated_clipped_training_equals_one_batch_in_one_process(card, reference, step_in_backward,
+                                                                      hold_gradients):
+    """held: the rows but the last of each step hold their whole gradients, reduce-scattered once."""
+    losses, norms, weights = run(sharded_run, WORLD, card, step_in_backward, hold_gradients, timeout=300)[0]
     expected_losses, expected_norms, expected_weights = reference
     assert min(expected_norms) > MAX_NORM  # every step clips
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)

@@ -332,8 +332,11 @@ class ShardedCausalLM:
             self.generation_config.save_pretrained(folder)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """FSDP2's switch for gradient accumulation. Accepted: the gradients are reduce-scattered at every
-        backward all the same (the sum is the same; the saving in communication is not had)."""
+        """FSDP2's switch for gradient accumulation: False on all but the last micro-batch, and their backwards
+        hold each group's whole gradient on this rank (f32, 4 bytes a weight) instead of reduce-scattering it;
+        True again, and the held gradients are reduce-scattered once, beside the last micro-batch, and added to
+        the parameters' gradients by its backward (linnet/torch/held_gradients.py)."""
+        self._linnet_engine.hold_gradients(not requires_gradient_sync)
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
                                         offload: bool = False, **kwargs) -> None:

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from linnet.sharding.layout import GroupLayout
 from linnet.sharding.schedule import Schedule
 from linnet.torch import ops
+from linnet.torch.held_gradients import Held, into_whole
 from linnet.torch.recompute import checkpointed, recompute_all
 from linnet.torch.step_in_backward import Stepped, taken
 
@@ -139,8 +140,11 @@ def _gather(sharding: Sharding, part, group: str, late: bool = False) -> dict[st
     """One group's weights, gathered from every rank, in the compute dtype: launched and waited for at once.
     late: the part is reduced last, its mean across the replicas left to after the backward. On one rank a
     stepped part is cast with its gradient going to the sink (`_take`): a layer's, and a tied table's, whose
-    two gradients (the lookup's and the head's) autograd sums in the compute dtype either way."""
+    two gradients (the lookup's and the head's) autograd sums in the compute dtype either way. A Held part's
+    gradient goes to its buffer (linnet/torch/held_gradients.py)."""
     part = _take(sharding, part)
+    if isinstance(part, Held):
+        return _views(sharding, into_whole(ops.wait(_launch(sharding, part)[0]), part), group)
     if isinstance(part, Sinking):
         return _views(sharding, ops.cast_into_sink(part.part, part.sink, sharding.compute_dtype), group)
     return _views(sharding, ops.wait(_all_gather(sharding, part, late)[0]), group)
@@ -234,7 +238,7 @@ class _WaitAcrossReplicas(torch.autograd.Function):
 def _hold(sharding: Sharding, x: torch.Tensor, part) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, the part `taken`); compiled, held for the backward (eager code waits where it gathers)."""
     part = taken(part)
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() or isinstance(part, Held):  # a Held part takes no gradient to wait for
         return x, part
     return _Hold.apply(x, part, sharding.replicas)
 
@@ -246,12 +250,14 @@ def _wait_across_replicas(sharding: Sharding, parts):
     if isinstance(parts, list):
         return [_wait_across_replicas(sharding, part) for part in parts]
     part = taken(parts)  # here, before the wait's node, so that the step comes after the wait
-    if not torch.compiler.is_compiling() or sharding.replicas == 1:
+    if not torch.compiler.is_compiling() or sharding.replicas == 1 or isinstance(part, Held):
         return part
     return _WaitAcrossReplicas.apply(part)
 
 
-def _launch(sharding: Sharding, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(sharding: Sharding, part) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gather of the part (or a Held one's part), detached: no gradient reaches the part through it."""
+    part = part.part if isinstance(part, Held) else part
     return ops.all_gather(part.detach(), sharding.compute_dtype, sharding.world, sharding.group_name)
 
 
@@ -275,6 +281,8 @@ def _wait_gather(sharding: Sharding, launched: Launched | Pending, group: str) -
     """The launched group's weights, once its gather is done."""
     if isinstance(launched, Pending):
         return _gather(sharding, launched.part, group, launched.late)
+    if isinstance(launched.part, Held):
+        return _views(sharding, into_whole(ops.wait(launched.gathered), launched.part), group)
     full = ops.wait_gathered(launched.gathered, launched.part, "avg", sharding.reduce_dtype, sharding.world,
                              sharding.group_name, *_across(sharding, launched.late))
     return _views(sharding, full, group)
@@ -349,6 +357,8 @@ def _lookup(sharding: Sharding, tokens: torch.Tensor, part: torch.Tensor, group:
     other group's, the part's gradient is that of the mean of the ranks' losses."""
     layout, world, rank, replicas = sharding.layouts[group], sharding.world, sharding.rank, sharding.replicas
     part = taken(part)
+    if isinstance(part, Held):  # its gradient comes by the rows' gather, never the table's: to the part as always
+        part = part.part
     index = layout.names.index(weight)
     (rows, width), offset = layout.shapes[index], layout.offsets[index]
     start = rank * layout.part_size

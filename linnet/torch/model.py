@@ -28,6 +28,7 @@ class TorchModel(LoadedModel):
         self.sharding = None  # set by linnet.torch.fully_shard
         self.late_parts = None  # set by fully_shard with replicas: the parts reduced last (linnet/torch/hybrid.py)
         self.stepping = None  # an optimizer stepping in the backward, while it does (linnet/torch/step_in_backward.py)
+        self.held_gradients = None  # the gradients held unreduced, once held (linnet/torch/held_gradients.py)
         self.unusable: str | None = None  # why, where a fully_shard failed after it began to change the model
         self.compute_dtype = DTYPES[generics[checked.program.compute_dtype]]
         self.weight_dtype = torch.float32 if cast_dtype else self.compute_dtype
@@ -87,8 +88,10 @@ class TorchModel(LoadedModel):
 
     def install(self, source: str, namespace: dict) -> None:
         super().install(source, namespace)
-        # entry -> its function with the steps first, compiled again from the new functions when first called
+        # entry -> its function with the steps (or the held gradients' buffers) first, compiled again from the new
+        # functions when first called
         self._stepping_entries: dict = {}
+        self._holding_entries: dict = {}
 
     def recompute_as(self, recompute: str) -> None:
         """Sharded already, what the backward recomputes from now on ("gather", "matmuls" or "full", as
@@ -107,16 +110,40 @@ class TorchModel(LoadedModel):
             self.sharding = dataclasses.replace(self.sharding, recompute=recompute)
             self.install(self.emit(schedule=self.sharding.schedule).source, bindings(self.sharding))
 
+    def hold_gradients(self, hold: bool) -> None:
+        """hold=True: from the next backward on, each group's whole gradient accumulates on this rank, and
+        none is reduce-scattered; hold=False: the held gradients are reduce-scattered (launched now) and the
+        next backward adds them to the parts' gradients (linnet/torch/held_gradients.py). Over one rank,
+        where nothing is reduce-scattered, nothing is held."""
+        from linnet.torch.held_gradients import HeldGradients
+
+        if self.sharding is None:
+            raise RuntimeError("hold_gradients holds a sharded model's gradients: fully_shard(model) first")
+        if self.sharding.world * self.sharding.replicas == 1:
+            return
+        if self.held_gradients is None:
+            self.held_gradients = HeldGradients(self)
+        if hold:
+            self.held_gradients.hold()
+        else:
+            self.held_gradients.release()
+
     def _call(self, entry: str, inputs):
         if self.unusable is not None:
             raise RuntimeError(self.unusable)
+        held = self.held_gradients
+        if held is not None and held.holding and torch.is_grad_enabled():
+            if entry not in self._holding_entries:
+                self._holding_entries[entry] = self._compile(_entry_with(self.functions[entry], "holding_gradients"))
+            return self._holding_entries[entry](self.params, held.wholes(), *inputs)
         stepping = self.stepping
         if stepping is None or not torch.is_grad_enabled():
             return super()._call(entry, inputs)
         if entry not in self._stepping_entries:
             # Static: the optimizer's settings (betas, eps, weight decay) arrive as floats, which are the graph's
             # constants; a change compiles again (dynamic floats fail inside the backward's step).
-            self._stepping_entries[entry] = self._compile(_with_steps_first(self.functions[entry]), dynamic=False)
+            self._stepping_entries[entry] = self._compile(_entry_with(self.functions[entry], "stepping_in_backward"),
+                                                          dynamic=False)
         params = self.params
         return self._stepping_entries[entry](stepping.parts(params), stepping.states(params), *inputs)
 
@@ -213,14 +240,19 @@ class TorchModel(LoadedModel):
         return f"TorchModel({self.card.name}, entries={self.entries}, numerics={self.numerics!r}, device={self.device})"
 
 
-def _with_steps_first(function):
-    """The entry `function`, its weights first passed through the step in the backward (`states`)."""
+def _entry_with(function, what: str):
+    """The entry `function`, its weights first passed through the step in the backward (what =
+    "stepping_in_backward": `states`, a tree of each part's optimizer state) or made Held beside their
+    buffers ("holding_gradients": `states`, a tree of each part's buffer)."""
+    from linnet.torch.held_gradients import with_held
     from linnet.torch.step_in_backward import with_steps
 
+    wrap = {"stepping_in_backward": with_steps, "holding_gradients": with_held}[what]
+
     def entry(params, states, *inputs):
-        return function(with_steps(params, states), *inputs)
+        return function(wrap(params, states), *inputs)
 
     # A code object of its own: torch.compile keeps its compiled graphs (and its limit on them) by code object.
-    entry.__name__ = entry.__qualname__ = f"{function.__name__}_stepping_in_backward"
+    entry.__name__ = entry.__qualname__ = f"{function.__name__}_{what}"
     entry.__code__ = entry.__code__.replace(co_name=entry.__name__)
     return entry

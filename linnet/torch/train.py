@@ -216,6 +216,7 @@ def train(
     max_grad_norm: float | None = None,
     eval_rows: Sequence[Row] | None = None,
     eval_every: int | None = None,
+    hold_gradients: bool = False,
 ) -> History:
     """`steps` optimizer steps over `batches` (this rank's rows, `accumulate` of them a step); resumes from
     `checkpoint` if it holds one, and saves into it every `checkpoint_every` steps (if given) and after the
@@ -225,6 +226,11 @@ def train(
     accumulate: rows a rank takes for one optimizer step; the step's loss and gradients are the
     token-weighted mean over every row of every rank, as one batch of them. Each row's gradients are
     reduce-scattered into the parts' as its backward runs, and summed there.
+
+    hold_gradients: with accumulate > 1, the backwards of a step's rows but the last hold each group's whole
+    gradient on this rank instead (f32: 4 bytes a weight of the whole model, on every rank), and their sum is
+    reduce-scattered once, beside the last row (linnet/torch/held_gradients.py): one reduce-scatter a step
+    rather than one a row, for that memory.
 
     max_grad_norm: clip the gradients at this global norm (None: no clipping). Each step's norm before
     clipping is in its Step.grad_norm, and in the progress line.
@@ -248,6 +254,8 @@ def train(
 
     _check_model(model)
     check_train_options(accumulate, max_grad_norm, eval_rows, eval_every)
+    if hold_gradients and model.sharding is None:
+        raise ValueError("train(hold_gradients=True) holds a sharded model's gradients: fully_shard(model) first")
     whole_gradient = ("accumulate > 1 needs every row's gradient before a part steps" if accumulate > 1 else
                       "max_grad_norm needs the norm over every part before a part steps"
                       if max_grad_norm is not None else None)
@@ -256,7 +264,7 @@ def train(
     try:
         with stepping:
             return _train(model, batches, optimizer, steps, schedule, on_step, checkpointer, checkpoint_every,
-                          accumulate, max_grad_norm, eval_rows, eval_every)
+                          accumulate, max_grad_norm, eval_rows, eval_every, hold_gradients)
     except RuntimeError as error:
         # A collective that failed because peers went away (a machine died): name them, not an address.
         if watchdog.from_communication(error) and (lost := watchdog.lost_ranks()) is not None:
@@ -279,7 +287,8 @@ def _stepping(model, optimizer: torch.optim.Optimizer, asked: bool | None, whole
 
 def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, steps: int, schedule,
            on_step: Callable[[Step], None] | None, checkpointer, checkpoint_every: int | None, accumulate: int,
-           max_grad_norm: float | None, eval_rows: Sequence[Row] | None, eval_every: int | None) -> History:
+           max_grad_norm: float | None, eval_rows: Sequence[Row] | None, eval_every: int | None,
+           hold_gradients: bool) -> History:
     rank, world = _world()
     history = History()
     rows: Iterator[Row] = iter(batches)
@@ -328,6 +337,8 @@ def _train(model, batches: Iterable[Row], optimizer: torch.optim.Optimizer, step
         raise_together(problem, ranks_with_problems)
         loss_sum = torch.zeros((), device=device)
         for index, (row, weight) in enumerate(zip(batch, weights)):
+            if hold_gradients:
+                model.hold_gradients(index < accumulate - 1)
             loss = _loss(model, row, device, causal=ranks_one_document == world)
             # scaled so that the gradients averaged over ranks, summed over rows, are the global weighted mean's
             scaled = loss * (world * weight / max(total_weight, 1e-12))
