@@ -48,17 +48,31 @@ def held_and_synced(rank: int, world: int, card, compile: str | None, mesh_shape
             part.grad = None
         return gradients
 
+    def released_without_a_backward() -> list:
+        """Held, released, held again before any backward added the first release: both are added."""
+        for index, inputs in enumerate(micro_batches):
+            if index < MICRO_BATCHES - 1:
+                model.hold_gradients(True)
+            model.loss_packed(*inputs).backward()
+            model.hold_gradients(False)
+        gradients = [part.grad.clone() for part in model.parameters()]
+        for part in model.parameters():
+            part.grad = None
+        return gradients
+
     synced = accumulate(hold=False)  # compiles the plain entry
     held = accumulate(hold=True)  # and the held one
+    again = released_without_a_backward()
     counts = {"synced": reduce_scatters(lambda: accumulate(hold=False)),
               "held": reduce_scatters(lambda: accumulate(hold=True))}
-    return dict(synced=synced, held=held, counts=counts, parts=len(list(model.parameters())))
+    return dict(synced=synced, held=held, again=again, counts=counts, parts=len(list(model.parameters())))
 
 
 def assert_held_as_synced(results: list) -> None:
     for result in results:
-        for synced, held in zip(result["synced"], result["held"], strict=True):
+        for synced, held, again in zip(result["synced"], result["held"], result["again"], strict=True):
             np.testing.assert_allclose(held.numpy(), synced.numpy(), rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(again.numpy(), synced.numpy(), rtol=1e-5, atol=1e-7)
         counts = result["counts"]
         per_backward = counts["synced"] // MICRO_BATCHES
         assert per_backward > 0 and counts["synced"] == MICRO_BATCHES * per_backward

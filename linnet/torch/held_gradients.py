@@ -69,7 +69,7 @@ class HeldGradients:
         self.model = model
         self.holding = False
         self._wholes = None  # as model.params: a leaf for each trainable part, made at the first hold
-        self._hooks: list = []  # the released reductions' hooks, removed at the next release
+        self._hooks: list = []  # (hook handle, its reduction while not yet added) of each released reduction
 
     def hold(self) -> None:
         """From the next backward on, each group's whole gradient is added into its buffer."""
@@ -84,9 +84,10 @@ class HeldGradients:
         if not self.holding:
             return
         self.holding = False
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        for handle, pending in self._hooks:  # a reduction no backward has added yet is added by the next one
+            if not pending:
+                handle.remove()
+        self._hooks = [(handle, pending) for handle, pending in self._hooks if pending]
         sharding = self.model.sharding
         across = (sharding.replicate_group_name or "", sharding.replicas)
         for part, whole in zip(_leaves(self.model.params), _leaves(self._wholes)):
@@ -96,7 +97,8 @@ class HeldGradients:
                 reduced = ops.reduce_scatter(whole.grad, "avg", sharding.reduce_dtype, sharding.world,
                                              sharding.group_name, *across)
             whole.grad = None
-            self._hooks.append(part.register_hook(partial(_add_once, [reduced])))
+            pending = [reduced]
+            self._hooks.append((part.register_hook(partial(_add_once, pending)), pending))
 
     def wholes(self):
         """The buffers' leaves, as the model's tree of parts (None where a part takes no gradient)."""
