@@ -333,9 +333,10 @@ def test_gradient_checkpointing_is_the_full_recompute_policy():
 def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
     """tests/trl_driver.py over 2 Gloo processes, as TRL runs on CPUs (DistributedDataParallel) and on a model
     sharded by Linnet, on packed rows (TRL's padding-free collator): the logged loss, gradient norm, entropy and
-    token accuracy of each step, and the saved weights. TRL's defaults hold: its fused LM head's outputs, and
-    gradient checkpointing. Then the Linnet run resumed from its checkpoint at step 2, started by `accelerate
-    launch` from other weights: the same steps 3 and 4, the same weights."""
+    token accuracy of each step, and the saved weights, two micro-batches a step (on Linnet the first holds its
+    gradients: accelerate's no_sync). TRL's defaults hold: its fused LM head's outputs, and gradient
+    checkpointing. Then the Linnet run resumed from its checkpoint at step 2, started by `accelerate launch`
+    from other weights: the same steps 3 and 4, the same weights."""
     import json
     import os
     import subprocess
@@ -362,6 +363,7 @@ def test_trls_sft_trainer_on_linnet_equals_trl_as_its_users_run_it(tmp_path):
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         results[name] = (json.loads((out / "history.json").read_text()), load_file(out / "final/model.safetensors"))
     (expected, expected_weights), (history, weights) = results["ddp"], results["linnet"]
+    assert all(json.loads((tmp_path / name / "held.json").read_text()) for name in ("linnet", "resumed"))
     assert len(history) == len(expected) == 4
     for step, entry in zip(expected, history):
         assert entry == pytest.approx(step, rel=1e-5, abs=1e-7)

@@ -40,7 +40,9 @@ else:
 # position_ids), a CPU, f32 (TRL's bf16 default is an autocast around the forward, which Linnet leaves outside: its
 # compute dtype is fully_shard's mp_policy), and AdamW's eps raised from 1e-8 (there an element whose gradient is
 # rounding moves a full step either way: tests/test_drop_in.py)
-args = SFTConfig(output_dir=str(out / "run"), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
+# Two micro-batches a step: Linnet's model holds the first one's gradients (accelerate's no_sync)
+args = SFTConfig(output_dir=str(out / "run"), max_steps=4, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                 learning_rate=1e-3,
                  adam_epsilon=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0, max_length=48, bf16=False,
                  packing=True, save_strategy="steps" if mode == "linnet" else "no", save_steps=2)
 trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
@@ -50,3 +52,5 @@ if dist.get_rank() == 0:
     logged = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
     history = [{key: entry[key] for key in logged} for entry in trainer.state.log_history if "loss" in entry]
     (out / "history.json").write_text(json.dumps(history))
+    if mode == "linnet":  # whether the first micro-batch of a step held its gradients
+        (out / "held.json").write_text(json.dumps(model._linnet_engine.held_gradients is not None))

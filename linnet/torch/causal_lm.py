@@ -26,6 +26,7 @@ config value its family refuses (a sliding window), PEFT adapters, a model FSDP 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -337,6 +338,17 @@ class ShardedCausalLM:
         True again, and the held gradients are reduce-scattered once, beside the last micro-batch, and added to
         the parameters' gradients by its backward (linnet/torch/held_gradients.py)."""
         self._linnet_engine.hold_gradients(not requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's name for the same: backwards inside hold their gradients, released on leaving. accelerate's
+        `no_sync` (transformers' Trainer accumulating micro-batches) calls it where it is not configured for
+        FSDP2; configured for FSDP2, it calls set_requires_gradient_sync."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
                                         offload: bool = False, **kwargs) -> None:
