@@ -49,10 +49,11 @@ def kept_a_token(dims: dict, recompute: str) -> int:
 def predicted_peak(card: str, ranks: int, recompute: str, tokens: int = 4096, prefetch: int = 1,
                    gathers_kept: bool = False) -> float:
     """The forward's-end peak in bytes, by the model above."""
-    dims = resolve(card).checked().dims
+    resolved = resolve(card)
+    dims = resolved.checked().dims
     d, ffn, vocab, layers = dims["D"], dims["Ffn"], dims["Vocab"], dims["Layers"]
     q, kv = dims["Heads"] * dims["HeadDim"], dims["KVHeads"] * dims["HeadDim"]
-    tied = resolve(card).config.get("tie_word_embeddings", False)
+    tied = resolved.config.get("tie_word_embeddings", False)
     layer_weights = d * (q + 2 * kv) + q * d + 3 * d * ffn + 2 * d  # the projections and two norms
     parameters = layers * layer_weights + vocab * d * (1 if tied else 2) + d
     peak = 12 * parameters / ranks + layers * tokens * kept_a_token(dims, recompute)

@@ -1,5 +1,5 @@
 """Gradient accumulation with one reduce-scatter a step rather than one a micro-batch: FSDP2's
-`set_requires_gradient_sync(False)`, and `train(..., reduce="once")`.
+`set_requires_gradient_sync(False)`, and `train(..., hold_gradients=True)`.
 
 While a sharded model holds its gradients, each gather's backward adds its group's whole gradient
 into a buffer of the whole group's size on this rank, in the reduce dtype (FSDP2 accumulates its
@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from linnet.torch import ops
+from linnet.torch.param_trees import leaves, map_leaves
 
 __all__ = ["Held", "HeldGradients", "into_whole"]
 
@@ -90,7 +91,7 @@ class HeldGradients:
         self._hooks = [(handle, pending) for handle, pending in self._hooks if pending]
         sharding = self.model.sharding
         across = (sharding.replicate_group_name or "", sharding.replicas)
-        for part, whole in zip(_leaves(self.model.params), _leaves(self._wholes)):
+        for part, whole in zip(leaves(self.model.params), leaves(self._wholes)):
             if whole is None or whole.grad is None:
                 continue
             with torch.no_grad():
@@ -103,7 +104,7 @@ class HeldGradients:
     def wholes(self):
         """The buffers' leaves, as the model's tree of parts (None where a part takes no gradient)."""
         if self._wholes is None:
-            self._wholes = _map(self.model.params, self._whole_of)
+            self._wholes = map_leaves(self.model.params, self._whole_of)
         return self._wholes
 
     def _whole_of(self, part: torch.Tensor):
@@ -118,19 +119,3 @@ class HeldGradients:
 def _add_once(reduced: list, gradient: torch.Tensor) -> torch.Tensor:
     """A part's gradient, with the held reduction added the first time it arrives."""
     return gradient + ops.wait(reduced.pop()) if reduced else gradient
-
-
-def _leaves(tree) -> list:
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in _leaves(value)]
-    if isinstance(tree, list):
-        return [leaf for value in tree for leaf in _leaves(value)]
-    return [tree]
-
-
-def _map(tree, function):
-    if isinstance(tree, dict):
-        return {key: _map(value, function) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_map(value, function) for value in tree]
-    return function(tree)

@@ -56,6 +56,7 @@ import torch
 
 from linnet.torch import ops
 from linnet.torch.hybrid import has_step_hooks
+from linnet.torch.param_trees import leaves
 from linnet.torch.steppers import STEPPERS, stepper_for
 
 
@@ -157,7 +158,7 @@ class InBackward:
         self.lrs = [torch.zeros(1, dtype=torch.float64) for _ in optimizer.param_groups]
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)  # never given a gradient
         seen: set[int] = set()
-        for tensor in _leaves(model.params):
+        for tensor in leaves(model.params):
             if id(tensor) in seen:
                 raise ValueError("a tensor appears twice in the model's weights: its gradient would be stepped twice")
             seen.add(id(tensor))
@@ -204,17 +205,6 @@ def _late_parts(model) -> list:
     return list(late.parts) if late is not None else []
 
 
-def _leaves(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    else:
-        for value in tree:
-            yield from _leaves(value)
-
-
 @contextmanager
 def stepping_in_backward(model, optimizer: torch.optim.Optimizer):
     """Inside, a backward through the model's entries steps each parameter the optimizer trains (but the
@@ -229,4 +219,4 @@ def stepping_in_backward(model, optimizer: torch.optim.Optimizer):
         model.stepping = None
         # The last step's casts of the parts (linnet/torch/collectives.py, `_casts_from_the_step`): only a forward
         # that steps takes them, and none follows here.
-        ops.drop_stepped_casts(list(_leaves(model.params)))
+        ops.drop_stepped_casts(list(leaves(model.params)))
